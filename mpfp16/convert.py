@@ -1,0 +1,94 @@
+"""Convert a model to 16-bit weights, keeping normalization layers in fp32.
+
+Normalization layers keep fp32 parameters and running statistics: their statistics
+are sums over many values, and fp16's 10-bit mantissa loses them. PyTorch's
+batch_norm, layer_norm and group_norm kernels accept a 16-bit input with fp32
+weights on both CPU and CUDA and return the input's dtype, so nothing else changes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+__all__ = ["NORM_TYPES", "HALF_DTYPES", "to_half", "model_dtype", "cast_floating"]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+# _BatchNorm covers BatchNorm1d/2d/3d, SyncBatchNorm and the lazy variants;
+# _InstanceNorm covers InstanceNorm1d/2d/3d, affine or not.
+NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.LayerNorm,
+    nn.GroupNorm,
+) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+
+def cast_floating(obj, dtype: torch.dtype):
+    """Cast every floating-point tensor inside ``obj`` (tensors, tuples, lists, dicts)
+    to ``dtype``; integer tensors (labels, token ids) and other objects pass through."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(cast_floating(o, dtype) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, cast_floating(v, dtype)) for k, v in obj.items())
+    return obj
+
+
+def _cast_inputs_hook(dtype):
+    def hook(module, args, kwargs):
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+    return hook
+
+
+def _outputs_to_fp32_hook(module, args, output):
+    return cast_floating(output, torch.float32)
+
+
+def to_half(model: nn.Module, dtype: torch.dtype = torch.float16, cast_io: bool = True) -> nn.Module:
+    """Convert ``model`` in place to 16-bit parameters and buffers, except normalization layers.
+
+    Args:
+        model: the model; converted in place (the Parameter objects stay the same, so an
+            optimizer built over them earlier still holds them).
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+        cast_io: install hooks on ``model`` that cast floating-point inputs to ``dtype``
+            and floating-point outputs to fp32, so that ``loss_fn(model(x_fp32), y)``
+            computes the loss in fp32. Calling ``to_half`` again does not add them twice.
+
+    Returns:
+        ``model``.
+    """
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"to_half converts to torch.float16 or torch.bfloat16, not {dtype}")
+
+    def cast_to(target):
+        return lambda t: t.to(target) if t.is_floating_point() else t
+
+    for module in model.modules():
+        target = torch.float32 if isinstance(module, NORM_TYPES) else dtype
+        module._apply(cast_to(target), recurse=False)
+
+    if cast_io:
+        old = getattr(model, "_mpfp16_io_hooks", None)
+        if old is not None:
+            for handle in old:
+                handle.remove()
+        model._mpfp16_io_hooks = (
+            model.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True),
+            model.register_forward_hook(_outputs_to_fp32_hook),
+        )
+    return model
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype inputs should have: the first 16-bit parameter's, else fp32."""
+    for p in model.parameters():
+        if p.dtype in HALF_DTYPES:
+            return p.dtype
+    return torch.float32

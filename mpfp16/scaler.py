@@ -1,0 +1,241 @@
+"""Loss scaling: a static scale and a dynamic one that follows torch.amp.GradScaler.
+
+The scalers are host-side state machines: the optimizer tells them, once per step,
+whether the gradients held an inf or NaN (``update(found_inf)``), and reads
+``scale`` before the next backward. The scale is an fp32 value, and each update
+multiplies it by a double factor and rounds the product to fp32, exactly as
+GradScaler's update kernel does, so that the two produce the same sequence of
+scales bit for bit (:func:`_f32`).
+
+A run whose gradients overflow even at the smallest scale allowed can only skip
+steps forever. Both scalers count such steps and raise :class:`LossScaleStuckError`
+after ``stuck_after`` of them in a row, instead of skipping in silence.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+__all__ = ["LossScaler", "DynamicLossScaler", "LossScaleStuckError"]
+
+# The smallest normal fp32 value: the floor used to decide that a scale with no
+# configured minimum can fall no further in any useful way.
+_FP32_TINY = 2.0**-126
+
+
+def _f32(x: float) -> float:
+    """Round a Python float (a double) to the nearest fp32 value, as a C++
+    ``static_cast<float>`` of a double does in GradScaler's update kernel."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+class LossScaleStuckError(RuntimeError):
+    """Raised when gradients keep overflowing although the scale cannot go lower."""
+
+
+class LossScaler:
+    """A static loss scale. Steps whose gradients hold inf/NaN are still skipped.
+
+    ``LossScaler(1.0)`` is what ``loss_scale=None`` means: no scaling at all (bf16,
+    fp32), but a non-finite gradient still skips the step, and ``stuck_after``
+    such steps in a row raise :class:`LossScaleStuckError`.
+
+    Args:
+        scale: the constant loss scale (a positive, finite number).
+        stuck_after: how many consecutive overflowing steps at the lowest scale
+            raise :class:`LossScaleStuckError`. For a static scaler every step is at
+            its lowest scale.
+    """
+
+    dynamic = False
+
+    def __init__(self, scale: float = 1.0, *, stuck_after: int = 4) -> None:
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"a loss scale must be a positive finite number, got {scale}")
+        if int(stuck_after) < 1:
+            raise ValueError(f"stuck_after must be at least 1, got {stuck_after}")
+        self._scale = _f32(scale)
+        self.stuck_after = int(stuck_after)
+        self.overflows_at_floor = 0  # consecutive overflowing steps taken at the floor
+        self.consecutive_overflows = 0
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale, a Python float that is exactly representable in fp32."""
+        return self._scale
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale this scaler can reach."""
+        return self._scale
+
+    def update(self, found_inf: bool, step: int | None = None) -> None:
+        """Record one optimizer step. ``found_inf`` means the step was skipped.
+
+        Raises:
+            LossScaleStuckError: after ``stuck_after`` consecutive overflows at the floor.
+        """
+        if not found_inf:
+            self.consecutive_overflows = 0
+            self.overflows_at_floor = 0
+            self._grow()
+            return
+        self.consecutive_overflows += 1
+        at_floor = self._scale <= self.floor
+        self._back_off()
+        self.overflows_at_floor = self.overflows_at_floor + 1 if at_floor else 0
+        if self.overflows_at_floor >= self.stuck_after:
+            where = f" at optimizer step {step}" if step is not None else ""
+            raise LossScaleStuckError(
+                f"loss scale stuck at {self._scale:g}: the gradients held inf/NaN on "
+                f"{self.overflows_at_floor} consecutive steps at the lowest scale{where}. "
+                "Likely causes: NaN or inf in the input data or the loss, a learning rate "
+                "that makes training diverge, or activations that overflow the 16-bit range."
+            )
+
+    def _grow(self) -> None:
+        pass
+
+    def _back_off(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        """Plain numbers only, so that ``torch.load(weights_only=True)`` reads it."""
+        return {
+            "scale": self._scale,
+            "consecutive_overflows": self.consecutive_overflows,
+            "overflows_at_floor": self.overflows_at_floor,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = [k for k in self.state_dict() if k not in state]
+        if missing:
+            raise ValueError(f"loss scaler state_dict is missing {', '.join(missing)}")
+        self._scale = _f32(float(state["scale"]))
+        self.consecutive_overflows = int(state["consecutive_overflows"])
+        self.overflows_at_floor = int(state["overflows_at_floor"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(scale={self._scale:g})"
+
+
+class DynamicLossScaler(LossScaler):
+    """A loss scale that backs off on overflow and grows after a run of clean steps.
+
+    With ``hysteresis=1``, ``min_scale=None`` and ``max_scale=None`` the sequence of
+    scales and skipped steps is identical to ``torch.amp.GradScaler`` with the same
+    ``init_scale``, ``growth_factor``, ``backoff_factor`` and ``growth_interval``:
+    an overflow multiplies the scale by ``backoff_factor`` and resets the count of
+    clean steps; ``growth_interval`` clean steps in a row multiply it by
+    ``growth_factor`` (unless that would give inf) and reset the count.
+
+    Hysteresis follows Megatron-LM's ``DynamicGradScaler``: the scaler tolerates
+    ``hysteresis - 1`` overflows before it backs off. Each overflow spends one unit
+    of the budget (and still skips its step, and still resets the clean-step count);
+    once the budget is spent every further overflow backs off, until the next growth
+    refills it. DeepSpeed's variant refills the budget on every clean step instead.
+
+    Args:
+        init_scale: the first scale.
+        growth_factor: multiplier applied after ``growth_interval`` clean steps.
+        backoff_factor: multiplier applied on overflow.
+        growth_interval: clean steps in a row before growing.
+        hysteresis: overflows absorbed (minus one) before backing off; 1 = none.
+        min_scale: the floor (None: no floor, as GradScaler). Without a floor the
+            scale may fall to the smallest normal fp32 value before a run is
+            declared stuck.
+        max_scale: the ceiling (None: no ceiling, as GradScaler).
+        stuck_after: consecutive overflows at the floor that raise
+            :class:`LossScaleStuckError`.
+    """
+
+    dynamic = True
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = 1.0,
+        max_scale: float | None = 2.0**24,
+        *,
+        stuck_after: int = 4,
+    ) -> None:
+        super().__init__(init_scale, stuck_after=stuck_after)
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+        if int(growth_interval) < 1:
+            raise ValueError(f"growth_interval must be at least 1, got {growth_interval}")
+        if int(hysteresis) < 1:
+            raise ValueError(f"hysteresis must be at least 1, got {hysteresis}")
+        if min_scale is not None and not min_scale > 0:
+            raise ValueError(f"min_scale must be positive or None, got {min_scale}")
+        if min_scale is not None and max_scale is not None and max_scale < min_scale:
+            raise ValueError(f"max_scale ({max_scale}) is below min_scale ({min_scale})")
+        # The factors stay doubles: GradScaler's kernel multiplies its fp32 scale by a
+        # double factor and rounds the product to fp32.
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self.min_scale = None if min_scale is None else _f32(float(min_scale))
+        self.max_scale = None if max_scale is None else _f32(float(max_scale))
+        if self.min_scale is not None and self._scale < self.min_scale:
+            raise ValueError(f"init_scale ({init_scale}) is below min_scale ({min_scale})")
+        if self.max_scale is not None and self._scale > self.max_scale:
+            raise ValueError(f"init_scale ({init_scale}) is above max_scale ({max_scale})")
+        self.growth_tracker = 0
+        self.hysteresis_tracker = self.hysteresis
+
+    @property
+    def floor(self) -> float:
+        return _FP32_TINY if self.min_scale is None else self.min_scale
+
+    def update(self, found_inf: bool, step: int | None = None) -> None:
+        if found_inf:
+            self.growth_tracker = 0
+        super().update(found_inf, step)
+
+    def _back_off(self) -> None:
+        self.hysteresis_tracker -= 1
+        if self.hysteresis_tracker > 0:
+            return
+        new_scale = _f32(self._scale * self.backoff_factor)
+        if self.min_scale is not None:
+            new_scale = max(new_scale, self.min_scale)
+        self._scale = new_scale
+
+    def _grow(self) -> None:
+        self.growth_tracker += 1
+        if self.growth_tracker < self.growth_interval:
+            return
+        self.growth_tracker = 0
+        self.hysteresis_tracker = self.hysteresis
+        new_scale = _f32(self._scale * self.growth_factor)
+        if self.max_scale is not None:
+            new_scale = min(new_scale, self.max_scale)
+        if math.isfinite(new_scale):
+            self._scale = new_scale
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.update(growth_tracker=self.growth_tracker, hysteresis_tracker=self.hysteresis_tracker)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.growth_tracker = int(state["growth_tracker"])
+        self.hysteresis_tracker = int(state["hysteresis_tracker"])
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicLossScaler(scale={self._scale:g}, growth_factor={self.growth_factor:g}, "
+            f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
+            f"hysteresis={self.hysteresis}, min_scale={self.min_scale}, max_scale={self.max_scale})"
+        )

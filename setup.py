@@ -1,0 +1,16 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mpfp16",
+    version="0.1.0",
+    description="A small, exact fp16/bf16 mixed-precision trainer for PyTorch: fp32 master "
+                "weights, loss scaling, fp16 gradient allreduce, exact resume.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["mpfp16", "mpfp16.*"]),
+    python_requires=">=3.10",
+    # torch is not pinned: install the build you want first (README); pip then keeps it.
+    install_requires=["torch>=2.6", "torchvision>=0.21", "numpy", "tqdm"],
+    extras_require={"dev": ["pytest>=7", "hypothesis", "matplotlib"]},
+    license="BSD-3-Clause",
+)

@@ -1,0 +1,102 @@
+"""An independent, plain-torch reference for a mixed-precision step.
+
+It does by hand, per tensor, what FP16Optimizer does with flat buffers: fp16 forward
+and backward on the scaled loss, fp32 copies of the weights stepped by an ordinary
+torch optimizer on the unscaled gradients, and a copy back into the 16-bit model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def tiny_mlp(seed: int = 0, norm: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(8, 16)]
+    if norm:
+        layers.append(nn.LayerNorm(16))
+    layers += [nn.ReLU(), nn.Linear(16, 4)]
+    return nn.Sequential(*layers)
+
+
+def batches(n: int, seed: int = 1, batch: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(n)]
+
+
+def make_inner(kind: str, params, lr: float = 0.05, **kw):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4, **kw)
+    if kind == "nesterov":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True, weight_decay=1e-4, **kw)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr / 10, weight_decay=1e-4, **kw)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr / 10, weight_decay=1e-2, **kw)
+    raise ValueError(kind)
+
+
+OPTIMIZERS = ["sgd", "nesterov", "adam", "adamw"]
+
+
+class ReferenceTrainer:
+    """fp32 torch optimizer over fp32 copies of a 16-bit model's weights.
+
+    master_weights=False re-creates the fp32 weights from the 16-bit ones at every
+    step (the optimizer's own state persists), which is what stepping the 16-bit
+    weights directly with fp32 arithmetic means.
+    """
+
+    def __init__(self, model16: nn.Module, kind: str, scale: float = 1.0, master_weights: bool = True,
+                 max_grad_norm: float | None = None, **kw):
+        self.model = model16
+        self.params = list(model16.parameters())
+        self.masters = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in self.params]
+        self.opt = make_inner(kind, self.masters, **kw)
+        self.scale = scale
+        self.master_weights = master_weights
+        self.max_grad_norm = max_grad_norm
+
+    def backward(self, loss):
+        (loss.float() * self.scale).backward()
+
+    @torch.no_grad()
+    def step(self):
+        inv = torch.tensor(1.0 / self.scale, dtype=torch.float32)
+        for p, m in zip(self.params, self.masters):
+            if not self.master_weights and m is not p:
+                m.copy_(p)
+            m.grad = p.grad.float() * inv if m is not p else p.grad * inv
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
+        self.opt.step()
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+            p.grad = None
+
+
+def train_reference(model16, kind, data, scale=1.0, accum=1, **kw):
+    ref = ReferenceTrainer(model16, kind, scale=scale, **kw)
+    for i in range(0, len(data), accum):
+        for x, y in data[i:i + accum]:
+            ref.backward(nn.functional.cross_entropy(model16(x), y) / accum)
+        ref.step()
+    return ref
+
+
+def train_mpfp16(model16, opt, data, accum=1):
+    results = []
+    for i in range(0, len(data), accum):
+        opt.zero_grad()
+        for x, y in data[i:i + accum]:
+            opt.backward(nn.functional.cross_entropy(model16(x), y) / accum)
+        results.append(opt.step())
+    return results
+
+
+def assert_same_params(a: nn.Module, b: nn.Module):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert p.dtype == q.dtype, name
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,84 @@
+"""to_half: which layers become 16-bit, and the input/output casts."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mpfp16
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn1, self.bn2, self.bn3 = nn.BatchNorm1d(4), nn.BatchNorm2d(4), nn.BatchNorm3d(4)
+        self.sync = nn.SyncBatchNorm(4)
+        self.ln, self.gn = nn.LayerNorm(4), nn.GroupNorm(2, 4)
+        self.inorm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("table", torch.ones(3))
+        self.register_buffer("index", torch.arange(3))
+
+    def forward(self, x):
+        x = self.gn(self.bn2(self.conv(x)))
+        return self.fc(self.ln(x.mean((2, 3))))
+
+
+NORMS = ("bn1", "bn2", "bn3", "sync", "ln", "gn", "inorm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_norm_layers_stay_fp32(dtype):
+    net = mpfp16.to_half(Net(), dtype)
+    for name, t in list(net.named_parameters()) + list(net.named_buffers()):
+        module = name.split(".")[0]
+        if name.endswith("num_batches_tracked") or name == "index":
+            assert t.dtype == torch.int64, name
+        elif module in NORMS:
+            assert t.dtype == torch.float32, name
+        else:
+            assert t.dtype == dtype, name
+    assert net.bn2.running_mean.dtype == torch.float32
+    assert mpfp16.model_dtype(net) == dtype
+
+
+def test_parameters_stay_the_same_objects():
+    net = Net()
+    params = list(net.parameters())
+    mpfp16.to_half(net)
+    assert all(a is b for a, b in zip(params, net.parameters()))
+
+
+def test_an_already_half_model_gets_fp32_norms_back():
+    net = mpfp16.to_half(Net().half())
+    assert net.bn2.weight.dtype == torch.float32 and net.conv.weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_inputs_cast_in_and_logits_cast_out(dtype):
+    net = mpfp16.to_half(Net(), dtype)
+    out = net(torch.randn(2, 3, 5, 5))
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert net.conv.weight.grad.dtype == dtype and net.bn2.weight.grad.dtype == torch.float32
+
+
+def test_hooks_are_installed_once():
+    net = mpfp16.to_half(mpfp16.to_half(Net()))
+    assert len(net._forward_pre_hooks) == 1 and len(net._forward_hooks) == 1
+
+
+def test_without_cast_io_the_output_stays_16_bit():
+    net = mpfp16.to_half(nn.Linear(4, 2), cast_io=False)
+    assert net(torch.randn(3, 4).half()).dtype == torch.float16
+
+
+def test_cast_floating_leaves_integers_alone():
+    x, y = torch.randn(2), torch.arange(2)
+    out = mpfp16.cast_floating({"x": x, "pair": (x, y), "n": 3}, torch.float16)
+    assert out["x"].dtype == torch.float16 and out["pair"][1].dtype == torch.int64 and out["n"] == 3
+
+
+def test_other_dtypes_are_refused():
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        mpfp16.to_half(nn.Linear(2, 2), torch.float64)

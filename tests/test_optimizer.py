@@ -1,0 +1,501 @@
+"""FP16Optimizer against the plain-torch reference in tests/reference.py."""
+
+import io
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mpfp16
+from reference import (OPTIMIZERS, ReferenceTrainer, assert_same_params, batches, make_inner, tiny_mlp,
+                       train_mpfp16, train_reference)
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def pair(dtype=torch.float16, norm=True, seed=0):
+    """Two identical 16-bit models: one for mpfp16, one for the reference."""
+    return (mpfp16.to_half(tiny_mlp(seed, norm), dtype), mpfp16.to_half(tiny_mlp(seed, norm), dtype))
+
+
+def static_scale(dtype):
+    return 1024.0 if dtype == torch.float16 else None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("master_weights", [True, False])
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_matches_reference_bit_for_bit(kind, master_weights, dtype):
+    model, ref_model = pair(dtype)
+    scale = static_scale(dtype)
+    opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), loss_scale=scale,
+                               master_weights=master_weights)
+    data = batches(6)
+    assert all(train_mpfp16(model, opt, data))
+    train_reference(ref_model, kind, data, scale=scale or 1.0, master_weights=master_weights)
+    assert_same_params(model, ref_model)
+
+
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_masters_match_reference_masters(kind):
+    model, ref_model = pair()
+    opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), loss_scale=512.0)
+    data = batches(5)
+    train_mpfp16(model, opt, data)
+    ref = train_reference(ref_model, kind, data, scale=512.0)
+    for mine, theirs in zip(opt._stepped, ref.masters):
+        assert mine.dtype == torch.float32
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    # The inner optimizer's state is the fp32 reference's state, tensor for tensor.
+    for mine, theirs in zip(opt._stepped, ref.masters):
+        for key, value in ref.opt.state[theirs].items():
+            torch.testing.assert_close(opt.state[mine][key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_foreach_inner_optimizer(foreach):
+    model, ref_model = pair()
+    opt = mpfp16.FP16Optimizer(make_inner("adamw", model.parameters(), foreach=foreach), loss_scale=256.0)
+    data = batches(4)
+    train_mpfp16(model, opt, data)
+    train_reference(ref_model, "adamw", data, scale=256.0, foreach=foreach)
+    assert_same_params(model, ref_model)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_clipping_matches_clip_grad_norm(kind):
+    model, ref_model = pair()
+    opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), loss_scale=128.0, max_grad_norm=0.05)
+    data = batches(4)
+    train_mpfp16(model, opt, data)
+    train_reference(ref_model, kind, data, scale=128.0, max_grad_norm=0.05)
+    assert_same_params(model, ref_model)
+    assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.05  # it did clip
+
+
+def test_grad_norm_is_the_unscaled_norm():
+    model, ref_model = pair()
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=4096.0, track_grad_norm=True)
+    ref = ReferenceTrainer(ref_model, "sgd", scale=4096.0)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    ref.backward(nn.functional.cross_entropy(ref_model(x), y))
+    expected = torch.nn.utils.get_total_norm([p.grad.float() / 4096.0 for p in ref_model.parameters()])
+    opt.step()
+    assert opt.last_grad_norm == pytest.approx(float(expected), rel=1e-6)
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_gradient_accumulation(master_weights):
+    model, ref_model = pair()
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=256.0,
+                               master_weights=master_weights)
+    data = batches(8)
+    train_mpfp16(model, opt, data, accum=4)
+    train_reference(ref_model, "sgd", data, scale=256.0, accum=4, master_weights=master_weights)
+    assert_same_params(model, ref_model)
+
+
+def _snapshot(model, opt):
+    state = {k: (v.clone() if torch.is_tensor(v) else v)
+             for i, s in enumerate(opt.state.values()) for k, v in ((f"{i}.{k}", v) for k, v in s.items())}
+    masters = [m.clone() for m in opt._stepped] if opt.master_weights else []
+    return [p.detach().clone() for p in model.parameters()], masters, state
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_skipped_step_changes_nothing(kind, master_weights):
+    model, _ = pair()
+    opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), master_weights=master_weights)
+    data = batches(3)
+    train_mpfp16(model, opt, data[:2])  # some optimizer state, Adam's step counter included
+    before = _snapshot(model, opt)
+    scale = opt.loss_scale
+
+    x, y = data[2]
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    model[0].weight.grad[0, 0] = float("inf")
+    assert opt.step() is False
+
+    after = _snapshot(model, opt)
+    for a, b in zip(before[0] + before[1], after[0] + after[1]):
+        assert torch.equal(a, b)
+    assert before[2].keys() == after[2].keys()
+    for k in before[2]:
+        assert torch.equal(torch.as_tensor(before[2][k]), torch.as_tensor(after[2][k])), k
+    if kind == "adam":
+        assert all(float(s["step"]) == 2 for s in opt.state.values())
+    assert opt.loss_scale == scale / 2
+    assert opt.skipped_steps == 1
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_gradients_skip_in_every_mode(bad, dtype):
+    model, _ = pair(dtype)
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    model[1].weight.grad[0] = bad  # the fp32 LayerNorm weight
+    assert opt.step() is False
+    assert opt.skipped_steps == 1
+
+
+def test_bf16_uses_no_loss_scaling():
+    model, _ = pair(torch.bfloat16)
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert opt.loss_scale == 1.0 and not opt.scaler.dynamic
+    fp16_model, _ = pair(torch.float16)
+    assert mpfp16.FP16Optimizer(torch.optim.SGD(fp16_model.parameters(), lr=0.1)).scaler.dynamic
+
+
+def test_fp32_model_is_stepped_like_plain_torch():
+    model, ref_model = tiny_mlp(0), tiny_mlp(0)
+    opt = mpfp16.FP16Optimizer(make_inner("adamw", model.parameters()), loss_scale=None)
+    ref_opt = make_inner("adamw", ref_model.parameters())
+    for x, y in batches(4):
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref_model(x), y).backward()
+        ref_opt.step()
+    assert_same_params(model, ref_model)
+
+
+def test_dynamic_scale_matches_grad_scaler_on_a_model():
+    """Same overflows (injected by hand) give the same scales and skips as GradScaler."""
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               loss_scale=mpfp16.DynamicLossScaler(2.0**10, growth_interval=3,
+                                                                   min_scale=None, max_scale=None))
+    ref_model = tiny_mlp(0)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.01)
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    overflows = [0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]
+    for (x, y), overflow in zip(batches(len(overflows)), overflows):
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(model(x), y))
+        ref_opt.zero_grad()
+        gs.scale(nn.functional.cross_entropy(ref_model(x), y)).backward()
+        if overflow:
+            model[0].bias.grad[0] = float("inf")
+            ref_model[0].bias.grad[0] = float("inf")
+        before = ref_model[0].bias.detach().clone()
+        stepped = opt.step()
+        gs.step(ref_opt)
+        gs.update()
+        assert stepped == (not torch.equal(before, ref_model[0].bias))
+        assert opt.loss_scale == gs.get_scale()
+    assert opt.skipped_steps == sum(overflows)
+
+
+def test_stuck_scale_raises_with_step_and_causes():
+    model = mpfp16.to_half(tiny_mlp(0))
+    scaler = mpfp16.DynamicLossScaler(init_scale=4.0, min_scale=1.0, stuck_after=3)
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=scaler)
+    x, y = batches(1)[0]
+    x = x.clone()
+    x[0, 0] = float("nan")
+    with pytest.raises(mpfp16.LossScaleStuckError, match=r"stuck at 1.*step 5.*NaN") as err:
+        for _ in range(10):
+            opt.zero_grad()
+            opt.backward(nn.functional.cross_entropy(model(x), y))
+            opt.step()
+    assert "\n" not in str(err.value)
+    assert opt.skipped_steps == 5  # 4 -> 2 -> 1, then three overflows at the floor
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unscaled_runs_stop_on_persistent_nan(dtype):
+    model = tiny_mlp(0) if dtype == torch.float32 else mpfp16.to_half(tiny_mlp(0), dtype)
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=None)
+    x, y = batches(1)[0]
+    with pytest.raises(mpfp16.LossScaleStuckError, match="step 4"):
+        for _ in range(10):
+            opt.zero_grad()
+            opt.backward(nn.functional.cross_entropy(model(x), y) * float("nan"))
+            opt.step()
+
+
+def test_skip_is_logged_once_per_event(caplog):
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batches(1)[0]
+    with caplog.at_level("INFO", logger="mpfp16"):
+        for overflow in (True, False, True):
+            opt.zero_grad()
+            opt.backward(nn.functional.cross_entropy(model(x), y))
+            if overflow:
+                model[0].weight.grad[0, 0] = float("nan")
+            opt.step()
+    lines = [r.getMessage() for r in caplog.records if r.name == "mpfp16"]
+    assert len(lines) == 2
+    assert "step 1 skipped" in lines[0] and "65536 -> 32768" in lines[0]
+    assert "step 3 skipped" in lines[1]
+
+
+def test_micikevicius_small_updates_need_masters():
+    """Micikevicius et al. 2018, 3.1: 1 + 1e-4 rounds back to 1 in fp16, so without
+    master weights the updates are lost; with them they accumulate."""
+    results = {}
+    for master_weights in (True, False):
+        w = nn.Parameter(torch.ones(1, dtype=torch.float16))
+        opt = mpfp16.FP16Optimizer(torch.optim.SGD([w], lr=1.0), master_weights=master_weights)
+        for _ in range(100):
+            opt.zero_grad()
+            opt.backward((w.float() * -1e-4).sum())  # gradient -1e-4: each step adds 1e-4
+            assert opt.step()
+        results[master_weights] = w.item()
+    assert results[False] == 1.0
+    assert results[True] == pytest.approx(1.01, abs=1e-3)
+
+
+def test_memory_bytes_per_param():
+    def report(master_weights, dtype=torch.float16):
+        torch.manual_seed(0)
+        model = mpfp16.to_half(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 16)), dtype)  # no alignment gaps
+        opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   loss_scale=8.0, master_weights=master_weights)
+        x = torch.randn(4, 32)
+        opt.zero_grad()
+        opt.backward(model(x).float().mean())
+        assert opt.step()
+        return opt.memory_bytes_per_param()
+
+    masters, plain = report(True), report(False)
+    assert masters == {"model_weights": 2.0, "model_grads": 2.0, "master_weights": 4.0,
+                       "master_grads": 4.0, "optimizer_state": 4.0, "total": 16.0}
+    assert plain == {"model_weights": 2.0, "model_grads": 2.0, "master_weights": 0.0,
+                     "master_grads": 0.0, "optimizer_state": 4.0, "total": 8.0}
+    assert report(False, torch.bfloat16)["total"] == 8.0
+
+
+def test_params_are_views_of_flat_buffers():
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    storages = {(p.dtype, p.untyped_storage().data_ptr()) for p in model.parameters()}
+    assert len(storages) == 2  # one fp16 buffer, one fp32 buffer
+    for p in model.parameters():
+        assert p.data_ptr() % (mpfp16.flat.ALIGN * p.element_size()) == 0
+    assert opt.optimizer.param_groups[0]["params"][0].dtype == torch.float32
+
+
+def test_channels_last_weights_keep_their_layout():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).to(memory_format=torch.channels_last)
+    mpfp16.to_half(model)
+    before = model[0].weight.detach().clone()
+    mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert model[0].weight.grad.stride() == model[0].weight.stride()
+    assert torch.equal(model[0].weight, before)
+
+
+def test_model_zero_grad_is_repaired():
+    """model.zero_grad() drops the flat gradient views; the step re-attaches them."""
+    model, ref_model = pair()
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=64.0)
+    ref = ReferenceTrainer(ref_model, "sgd", scale=64.0)
+    for x, y in batches(3):
+        model.zero_grad(set_to_none=True)
+        opt.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()
+        ref.backward(nn.functional.cross_entropy(ref_model(x), y))
+        ref.step()
+    assert_same_params(model, ref_model)
+
+
+def test_one_host_sync_per_step(monkeypatch):
+    """Unscale, overflow check, clipping and copy-back read one value back to the host."""
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.AdamW(model.parameters()), max_grad_norm=1.0)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    calls = []
+    inner_step = opt.optimizer.step
+
+    def uncounted_inner_step():  # AdamW reads its CPU step counter with .item(): not ours
+        n = len(calls)
+        inner_step()
+        del calls[n:]
+
+    monkeypatch.setattr(opt.optimizer, "step", uncounted_inner_step)
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "cpu"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1])
+    assert opt.step()
+    monkeypatch.undo()
+    assert calls == ["item"]
+
+
+# ----------------------------------------------------------------- state_dict
+
+
+def _resume_run(kind, master_weights, dtype, split):
+    """Train `split` steps, save both state_dicts to bytes, load them into fresh objects
+    under weights_only, and train on."""
+    data = batches(8)
+    scaler = lambda: mpfp16.DynamicLossScaler(2.0**8, growth_interval=2) if dtype == torch.float16 else None
+
+    def fresh():
+        model = mpfp16.to_half(tiny_mlp(0), dtype)
+        return model, mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), loss_scale=scaler(),
+                                           master_weights=master_weights)
+
+    model, opt = fresh()
+    train_mpfp16(model, opt, data[:split])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    model2, opt2 = fresh()
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["optimizer"])
+    assert opt2.loss_scale == opt.loss_scale
+    train_mpfp16(model2, opt2, data[split:])
+    return model2, opt2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("master_weights", [True, False])
+@pytest.mark.parametrize("kind", ["nesterov", "adam"])
+def test_state_dict_round_trip_continues_bit_identically(kind, master_weights, dtype):
+    straight, opt = _resume_run(kind, master_weights, dtype, split=8)
+    resumed, opt2 = _resume_run(kind, master_weights, dtype, split=4)
+    assert_same_params(straight, resumed)
+    assert opt.loss_scale == opt2.loss_scale
+    if dtype == torch.float16:
+        assert opt.loss_scale > 2.0**8  # the scale grew, so the scaler state mattered
+
+
+def test_state_dict_holds_masters_and_scaler():
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.Adam(model.parameters()))
+    train_mpfp16(model, opt, batches(1))
+    sd = opt.state_dict()
+    masters = [m for m in sd["master_params"] if m is not None]
+    assert len(masters) == 4 and all(m.dtype == torch.float32 for m in masters)
+    assert set(sd["scaler"]) >= {"scale", "growth_tracker", "hysteresis_tracker"}
+    assert all(isinstance(v, (int, float)) for v in sd["scaler"].values())
+    assert len(sd["optimizer"]["state"]) == 6
+
+
+def test_load_state_dict_from_another_shape_fails():
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    torch.manual_seed(0)
+    other = mpfp16.to_half(nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4)))
+    other_opt = mpfp16.FP16Optimizer(torch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"parameter 0 has shape \[32, 8\] in the state_dict and \[16, 8\] here"):
+        opt.load_state_dict(other_opt.state_dict())
+    with pytest.raises(ValueError, match="not an FP16Optimizer state_dict"):
+        opt.load_state_dict(torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
+
+
+# ----------------------------------------------------------------- schedulers
+
+
+@pytest.mark.parametrize("make_sched", [
+    lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=6),
+    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=6),
+    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+], ids=["step", "onecycle", "cosine", "lambda"])
+def test_lr_schedulers_drive_the_wrapped_step(make_sched):
+    model, ref_model = pair()
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=32.0)
+    sched = make_sched(opt)
+    ref = ReferenceTrainer(ref_model, "sgd", scale=32.0)
+    ref_sched = make_sched(ref.opt)
+    for x, y in batches(6):
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()
+        sched.step()
+        ref.backward(nn.functional.cross_entropy(ref_model(x), y))
+        ref.step()
+        ref_sched.step()
+        assert opt.param_groups[0]["lr"] == ref.opt.param_groups[0]["lr"]
+    assert_same_params(model, ref_model)
+
+
+# ----------------------------------------------------------------- misuse
+
+
+def test_float64_parameter_is_refused():
+    model = nn.Linear(4, 4).double()
+    with pytest.raises(TypeError, match="torch.float64"):
+        mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_params_not_the_models_are_refused():
+    model, other = pair()
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        mpfp16.FP16Optimizer(torch.optim.SGD(other.parameters(), lr=0.1), model=model)
+
+
+def test_step_without_backward_fails():
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        opt.step()
+    x, y = batches(1)[0]
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    assert opt.step()
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        opt.step()
+
+
+def test_unscaled_backward_is_refused_when_scaling():
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batches(1)[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="outside opt.backward"):
+        opt.step()
+
+
+def test_wrapping_twice_and_closures_are_refused():
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="already an FP16Optimizer"):
+        mpfp16.FP16Optimizer(opt)
+    with pytest.raises(ValueError, match="masters of another"):
+        mpfp16.FP16Optimizer(torch.optim.SGD(opt.optimizer.param_groups[0]["params"], lr=0.1))
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
+
+
+def test_model_converted_after_the_optimizer_is_detected():
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model.half()  # re-allocates the fp32 LayerNorm parameters
+    x, y = batches(1)[0]
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    with pytest.raises(RuntimeError, match="no longer lives in the FP16Optimizer's flat buffer"):
+        opt.step()
+
+
+@pytest.mark.parametrize("bad", ["static", -1.0, math.inf, True])
+def test_bad_loss_scale_is_refused(bad):
+    model = mpfp16.to_half(tiny_mlp(0))
+    with pytest.raises((ValueError, TypeError), match="loss scale|loss_scale"):
+        mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=bad)
+
+
+def test_frozen_parameters_are_left_alone():
+    model = mpfp16.to_half(tiny_mlp(0))
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1))
+    train_mpfp16(model, opt, batches(2))
+    assert torch.equal(model[0].weight, frozen)
