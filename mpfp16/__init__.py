@@ -5,6 +5,7 @@
     opt.zero_grad(); opt.backward(loss); opt.step()     # step() is False when skipped
 """
 
+from . import distributed
 from .convert import cast_floating, model_dtype, to_half
 from .optimizer import FP16Optimizer
 from .scaler import DynamicLossScaler, LossScaler, LossScaleStuckError
@@ -17,6 +18,7 @@ __all__ = [
     "LossScaler",
     "DynamicLossScaler",
     "LossScaleStuckError",
+    "distributed",
 ]
 
 __version__ = "0.1.0"

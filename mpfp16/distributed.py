@@ -1,10 +1,39 @@
-"""torch.distributed helpers: who is the main process, and how many are there."""
+"""torch.distributed for data-parallel training: set-up from torchrun, DDP wrapping,
+accumulation without communication, and teardown.
+
+    info = mpfp16.distributed.init()              # reads torchrun's RANK, WORLD_SIZE, LOCAL_RANK
+    model = mpfp16.distributed.wrap(model, allreduce_dtype=None, predivide_factor=1.0)
+    for micro in range(accum_steps):
+        with mpfp16.distributed.sync_gradients(model, micro == accum_steps - 1):
+            opt.backward(loss_fn(model(x), y) / accum_steps)
+    opt.step(); stats = mpfp16.distributed.comm_stats(model).pop_step()
+    mpfp16.distributed.teardown()
+"""
 
 from __future__ import annotations
 
-import torch.distributed as dist
+import contextlib
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
 
-__all__ = ["get_rank", "get_world_size", "is_main_process"]
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .comm import HOOKS, STRATEGIES, CommStats, HookState
+
+__all__ = [
+    "DistInfo", "init", "teardown", "wrap", "sync_gradients", "comm_stats",
+    "get_rank", "get_world_size", "is_main_process", "DEFAULT_TIMEOUT_S",
+]
+
+logger = logging.getLogger("mpfp16")
+
+DEFAULT_TIMEOUT_S = 600.0
+BACKENDS = ("gloo", "nccl")
 
 
 def is_initialized() -> bool:
@@ -22,3 +51,205 @@ def get_world_size() -> int:
 def is_main_process() -> bool:
     """True on rank 0, and in a run that is not distributed."""
     return get_rank() == 0
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: not distributed
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None,
+         log_level: int = logging.INFO) -> DistInfo:
+    """Set up this process from torchrun's environment, or as a single process.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default: NCCL on CUDA, gloo on CPU.
+        timeout_s: how long a collective may wait for a peer before it fails, so that
+            a dead rank ends the run with an error instead of a hang.
+        device: ``"cpu"`` or ``"cuda"``; default: CUDA when available (GPU
+            ``LOCAL_RANK`` under torchrun).
+        log_level: level of the ``mpfp16`` logger on rank 0; other ranks log warnings
+            and errors only.
+
+    Returns:
+        A :class:`DistInfo`. Without torchrun (no ``WORLD_SIZE`` in the environment)
+        no process group is created and ``backend`` is None.
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown distributed backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if not timeout_s > 0:
+        raise ValueError(f"the distributed timeout must be positive, got {timeout_s}")
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but no CUDA GPU is available")
+
+    launched = "WORLD_SIZE" in os.environ
+    rank = _env_int("RANK") if launched else 0
+    world_size = _env_int("WORLD_SIZE") if launched else 1
+    local_rank = _env_int("LOCAL_RANK") if launched else 0
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+                "use --nproc_per_node <= the number of GPUs"
+            )
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    _configure_logging(rank, log_level)
+    if not launched:
+        return DistInfo(0, 1, 0, dev, None)
+
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("the NCCL backend needs CUDA GPUs; use gloo on CPU")
+    kwargs = {"device_id": dev} if use_cuda else {}
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    logger.info("distributed: %d processes, backend %s, device %s, timeout %gs", world_size, backend,
+                dev.type, timeout_s)
+    return DistInfo(rank, world_size, local_rank, dev, backend)
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def _configure_logging(rank: int, level: int) -> None:
+    """One handler on the ``mpfp16`` logger: rank 0 at ``level``, other ranks at WARNING."""
+    log = logging.getLogger("mpfp16")
+    for handler in list(log.handlers):
+        if getattr(handler, "_mpfp16", False):
+            log.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler._mpfp16 = True
+    handler.addFilter(_RankFilter(rank))
+    handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(message)s" if rank
+                                           else "%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level if rank == 0 else logging.WARNING)
+    log.propagate = False
+
+
+def teardown() -> None:
+    """Destroy the process group (if any) and stop the communication threads."""
+    for state in _HOOK_STATES:
+        state.close()
+    _HOOK_STATES.clear()
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+_HOOK_STATES: list[HookState] = []
+
+
+def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, predivide_factor: float = 1.0,
+         bucket_mb: float = 25, strategy: str = "allreduce", *, device_ids=None, process_group=None,
+         broadcast_buffers: bool = True, find_unused_parameters: bool = False,
+         static_graph: bool = False) -> DistributedDataParallel:
+    """Wrap ``model`` in DistributedDataParallel with an mpfp16 communication hook.
+
+    Args:
+        model: the (16-bit) model, already on its device.
+        allreduce_dtype: the dtype on the wire for ``strategy="allreduce"``; default
+            the gradients' own (fp16 for an fp16 model). ``torch.float32`` upcasts.
+        predivide_factor: divide by f before the sum and by world_size/f after it
+            (apex's ``gradient_predivide_factor``). 1 sums first; world_size divides
+            first, as DDP's default hook does.
+        bucket_mb: DDP bucket size in MiB (apex's ``message_size``).
+        strategy: ``"allreduce"`` or ``"fp32_accumulate"`` (16-bit wire, fp32 sums;
+            see :mod:`mpfp16.comm`).
+        device_ids, process_group, broadcast_buffers, find_unused_parameters,
+        static_graph: passed to DDP. BatchNorm buffers are broadcast from rank 0 at
+            each forward when ``broadcast_buffers`` is True, as DDP does.
+
+    Returns:
+        The DDP module; its per-step communication figures are
+        ``comm_stats(ddp).pop_step()``.
+    """
+    if not is_initialized():
+        raise RuntimeError("wrap() needs torch.distributed: call mpfp16.distributed.init() under torchrun")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown allreduce strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if allreduce_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"allreduce_dtype must be None, float16, bfloat16 or float32, got {allreduce_dtype}")
+    if strategy == "fp32_accumulate" and allreduce_dtype not in (None,):
+        raise ValueError("strategy 'fp32_accumulate' sends the gradients' own 16-bit dtype; "
+                         "leave allreduce_dtype unset")
+    if not predivide_factor > 0:
+        raise ValueError(f"predivide_factor must be positive, got {predivide_factor}")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    param = next(model.parameters(), None)
+    if device_ids is None and param is not None and param.device.type == "cuda":
+        device_ids = [param.device.index]
+    # torch 2.14 renamed broadcast_buffers to forward_sync_buffers.
+    sync_kw = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else "broadcast_buffers")
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        process_group=process_group,
+        bucket_cap_mb=bucket_mb,
+        find_unused_parameters=find_unused_parameters,
+        static_graph=static_graph,
+        # The gradients must stay views of FP16Optimizer's flat buffers, so DDP copies
+        # bucket results into them instead of re-pointing them at its buckets.
+        gradient_as_bucket_view=False,
+        **{sync_kw: broadcast_buffers},
+    )
+    state = HookState(process_group=process_group, allreduce_dtype=allreduce_dtype,
+                      predivide_factor=float(predivide_factor))
+    ddp.register_comm_hook(state, HOOKS[strategy])
+    ddp._mpfp16_hook_state = state
+    _HOOK_STATES.append(state)
+    return ddp
+
+
+def comm_stats(model: torch.nn.Module) -> CommStats | None:
+    """The :class:`CommStats` of a model made by :func:`wrap`; None for any other."""
+    state = getattr(model, "_mpfp16_hook_state", None)
+    return state.stats if state is not None else None
+
+
+def sync_gradients(model: torch.nn.Module, sync: bool):
+    """A context for one micro-batch's backward.
+
+    ``sync=False`` runs it under DDP's ``no_sync()``: the gradients accumulate locally
+    and nothing is sent. Pass ``sync=True`` only on the last micro-batch before
+    ``step()``, so that the allreduce runs once per optimizer step, whatever the
+    number of accumulation steps. For a model that is not DDP it does nothing.
+    """
+    if sync or not isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()

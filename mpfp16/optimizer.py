@@ -27,11 +27,12 @@ import weakref
 from collections import OrderedDict, defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import flat
 from .convert import HALF_DTYPES
-from .distributed import is_main_process
+from .distributed import get_world_size, is_main_process
 from .scaler import DynamicLossScaler, LossScaler
 
 __all__ = ["FP16Optimizer"]
@@ -136,6 +137,10 @@ class FP16Optimizer(torch.optim.Optimizer):
         max_grad_norm: clip the global 2-norm of the unscaled fp32 gradients.
         model: if given, every parameter of ``optimizer`` must belong to it.
         track_grad_norm: compute ``last_grad_norm`` even when not clipping.
+        process_group: under torch.distributed, the ranks that must agree on skipping
+            a step (default: all). The overflow flag is max-reduced across them, so
+            every rank skips together even when only one rank's gradients overflowed
+            outside the data-parallel allreduce.
 
     Gradients live in persistent flat buffers, so ``zero_grad()`` zeroes them in place
     (one fill per buffer) whatever ``set_to_none`` says, and a parameter that got no
@@ -152,6 +157,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         *,
         model: torch.nn.Module | None = None,
         track_grad_norm: bool = False,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if isinstance(optimizer, FP16Optimizer):
             raise TypeError("the optimizer is already an FP16Optimizer; wrap the inner optimizer once")
@@ -164,6 +170,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.master_weights = bool(master_weights)
         self.max_grad_norm = max_grad_norm
         self.track_grad_norm = bool(track_grad_norm)
+        self.process_group = process_group
         self.skipped_steps = 0
         self.iteration = 0  # optimizer steps attempted, skipped ones included
         self._last_grad_norm: torch.Tensor | None = None
@@ -329,6 +336,10 @@ class FP16Optimizer(torch.optim.Optimizer):
             raise ValueError("FP16Optimizer.step() takes no closure: call backward() then step()")
         self._check_ready()
         found_inf = self._unscale_grads()
+        if get_world_size() > 1:
+            # After DDP's allreduce the gradients already agree; this one-float reduction
+            # makes the decision agree whatever happened to them since.
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
         overflow = bool(found_inf.item())  # the one host synchronization of the step
         self.iteration += 1
         self._backward_passes = 0

@@ -1,0 +1,290 @@
+"""DDP communication hooks for 16-bit gradients, and per-step communication accounting.
+
+DistributedDataParallel groups gradients into buckets and calls a hook per bucket as
+soon as its gradients are ready, overlapping communication with the rest of backward.
+The hooks here average a bucket across ranks in one of two ways:
+
+``"allreduce"``
+    ``all_reduce`` in the bucket's dtype (fp16 for an fp16 model) or in
+    ``allreduce_dtype``. ``predivide_factor`` f works as in apex: divide by f before
+    the sum and by world_size/f after it. A 16-bit sum saturates at 65504, so f > 1
+    trades overflow risk in the sum for underflow risk in the division.
+
+``"fp32_accumulate"``
+    16-bit values on the wire, fp32 arithmetic: a reduce-scatter made of point-to-point
+    exchanges (each rank receives every rank's copy of its own shard), a local sum in
+    fp32 divided by world_size and rounded once to 16 bits, then an all-gather of the
+    shards, also point-to-point. The wire carries as many bytes as a 16-bit ring
+    allreduce, nothing overflows unless the average itself does, and on gloo the slow
+    per-element 16-bit arithmetic of its allreduce is replaced by one vectorized pass.
+    On CPU the exchanges run on a worker thread, so backward keeps overlapping them.
+
+:class:`CommStats` counts, for each optimizer step, the logical allreduce calls (one
+per bucket), their payload bytes by wire dtype, the time they took, and the time the
+step waited for them after the last bucket was handed over.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["STRATEGIES", "CommStats", "HookState", "allreduce_hook", "fp32_accumulate_hook", "HOOKS"]
+
+logger = logging.getLogger("mpfp16")
+
+STRATEGIES = ("allreduce", "fp32_accumulate")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class CommStats:
+    """Communication accounting, reset by :meth:`pop_step` once per optimizer step.
+
+    The hooks call :meth:`launched` when a bucket is handed to communication and
+    :meth:`finished` when its result is ready (from a communication thread).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.calls = 0
+        self.bytes_by_dtype: Counter[str] = Counter()
+        self.time_s = 0.0
+        self._last_launch = None
+        self._last_finish = None
+
+    def launched(self, numel: int, wire_dtype: torch.dtype) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            self.calls += 1
+            self.bytes_by_dtype[dtype_name(wire_dtype)] += numel * wire_dtype.itemsize
+            self._last_launch = now
+        return now
+
+    def finished(self, started: float) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self.time_s += now - started
+            self._last_finish = now if self._last_finish is None else max(self._last_finish, now)
+
+    def pop_step(self) -> dict:
+        """The figures since the previous call, then reset.
+
+        Returns:
+            ``allreduce_calls``: logical allreduces (one per bucket);
+            ``allreduce_bytes``: their payload, in the dtype on the wire;
+            ``allreduce_bytes_by_dtype``: the same, by dtype name;
+            ``allreduce_time_s``: summed duration of the bucket allreduces, overlapped
+            with backward or not;
+            ``allreduce_wait_s``: from the last bucket's hand-over (when backward had
+            no more gradient to produce) to the last result: the communication time
+            left exposed. On CUDA these times are host-side enqueue times.
+        """
+        with self._lock:
+            wait = 0.0
+            if self._last_launch is not None and self._last_finish is not None:
+                wait = max(0.0, self._last_finish - self._last_launch)
+            out = {
+                "allreduce_calls": self.calls,
+                "allreduce_bytes": sum(self.bytes_by_dtype.values()),
+                "allreduce_bytes_by_dtype": dict(self.bytes_by_dtype),
+                "allreduce_time_s": self.time_s,
+                "allreduce_wait_s": wait,
+            }
+            self._reset()
+        return out
+
+
+@dataclass
+class HookState:
+    """What a hook needs: the group, the wire dtype, the divisors and the stats."""
+
+    process_group: dist.ProcessGroup | None = None
+    allreduce_dtype: torch.dtype | None = None
+    predivide_factor: float = 1.0
+    chunk_numel: int = 1 << 23
+    stats: CommStats = field(default_factory=CommStats)
+    _worker: _Worker | None = None
+    _scratch: torch.Tensor | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def scratch(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reusable receive buffer (only the communication thread uses it)."""
+        numel = shape[0] * shape[1]
+        s = self._scratch
+        if s is None or s.dtype != dtype or s.device != device or s.numel() < numel:
+            s = self._scratch = torch.empty(numel, dtype=dtype, device=device)
+        return s[:numel].view(shape)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
+def allreduce_hook(state: HookState, bucket):  # DDP rejects string annotations on `bucket`
+    """Average a bucket with one ``all_reduce`` in ``state.allreduce_dtype`` (default:
+    the bucket's dtype), dividing by ``predivide_factor`` before the sum and by
+    ``world_size / predivide_factor`` after it."""
+    buf = bucket.buffer()
+    world = dist.get_world_size(state.group)
+    wire_dtype = state.allreduce_dtype or buf.dtype
+    wire = buf if wire_dtype == buf.dtype else buf.to(wire_dtype)
+    pre = state.predivide_factor
+    post = world / pre
+    if pre != 1.0:
+        wire.div_(pre)
+    started = state.stats.launched(buf.numel(), wire_dtype)
+    work = dist.all_reduce(wire, group=state.group, async_op=True)
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        result = fut.value()[0]
+        if post != 1.0:
+            result.div_(post)
+        if result is not buf:
+            buf.copy_(result)
+        state.stats.finished(started)
+        return buf
+
+    return work.get_future().then(finish)
+
+
+def _reduce_shard(mine: torch.Tensor, others: torch.Tensor, world: int) -> None:
+    """mine <- (mine + sum(others)) / world, summed in fp32 and rounded once."""
+    total = others.float().sum(0) if others.size(0) > 1 else others[0].float()
+    mine.copy_(((mine.float() + total) / world).to(mine.dtype))
+
+
+_compiled_reduce = None
+_COMPILE_MIN_NUMEL = 1 << 20
+
+
+def _reduce(mine: torch.Tensor, others: torch.Tensor, world: int) -> None:
+    """:func:`_reduce_shard`, compiled into one pass for large shards (the eager form
+    makes four passes over memory). Small shards, and any platform where compiling
+    fails, use the eager form; both compute the same fp32 sum."""
+    global _compiled_reduce
+    if mine.numel() >= _COMPILE_MIN_NUMEL and _compiled_reduce is not False:
+        if _compiled_reduce is None:
+            _compiled_reduce = torch.compile(_reduce_shard, dynamic=True)
+        try:
+            _compiled_reduce(mine, others, world)
+            return
+        except Exception as exc:  # a missing compiler, an unsupported device
+            logger.warning("torch.compile of the fp32-accumulate reduction failed (%s); using eager ops",
+                           str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            _compiled_reduce = False
+    _reduce_shard(mine, others, world)
+
+
+def _exchange(group, rank: int, sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None]) -> None:
+    """Point-to-point: send ``sends[j]`` to rank j and receive ``recvs[j]`` from it.
+    Empty tensors are neither sent nor received (both sides know every size)."""
+    ops = []
+    for j, (s, r) in enumerate(zip(sends, recvs)):
+        if j == rank:
+            continue
+        peer = dist.get_global_rank(group, j)
+        if s.numel():
+            ops.append(dist.P2POp(dist.isend, s, peer, group))
+        if r.numel():
+            ops.append(dist.P2POp(dist.irecv, r, peer, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _fp32_accumulate(state: HookState, buf: torch.Tensor) -> None:
+    """Average ``buf`` across ranks in place, 16 bits on the wire, fp32 arithmetic.
+
+    The buffer is cut into equal chunks of at most ``state.chunk_numel`` elements, so
+    that the scratch space stays small and each exchange is of a size gloo moves
+    fast (see docs/BENCHMARKS.md); each chunk is split into world_size shards
+    (``torch.tensor_split``: sizes differ by at most one, known to every rank).
+    """
+    group = state.group
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_chunks = max(1, -(-buf.numel() // state.chunk_numel))
+    for chunk in torch.tensor_split(buf, n_chunks):
+        shards = list(torch.tensor_split(chunk, world))
+        mine = shards[rank]
+        others = state.scratch((world - 1, mine.numel()), buf.dtype, buf.device)
+        rows = iter(others)
+        recvs = [mine if j == rank else next(rows) for j in range(world)]
+        # Reduce-scatter: every other rank's copy of my shard arrives in `others`.
+        _exchange(group, rank, shards, recvs)
+        _reduce(mine, others, world)
+        # All-gather: my averaged shard goes out, theirs land in place.
+        _exchange(group, rank, [mine] * world, shards)
+
+
+class _Worker:
+    """One thread that runs blocking exchanges in bucket order, so that on CPU the
+    autograd thread goes on computing gradients meanwhile."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="mpfp16-comm", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, fut: torch.futures.Future, result: torch.Tensor) -> None:
+        self._jobs.put((fn, fut, result))
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, fut, result = job
+            try:
+                fn()
+            except BaseException as exc:  # handed to DDP, which raises it in backward
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+
+def fp32_accumulate_hook(state: HookState, bucket):
+    """Average a 16-bit bucket with 16-bit traffic and fp32 sums (module docstring).
+    fp32 buckets, and a world of one, use :func:`allreduce_hook`."""
+    buf = bucket.buffer()
+    if buf.dtype == torch.float32 or dist.get_world_size(state.group) == 1:
+        return allreduce_hook(state, bucket)
+    started = state.stats.launched(buf.numel(), buf.dtype)
+
+    def run() -> None:
+        _fp32_accumulate(state, buf)
+        state.stats.finished(started)
+
+    fut: torch.futures.Future = torch.futures.Future()
+    if buf.device.type == "cpu":
+        if state._worker is None:
+            state._worker = _Worker()
+        state._worker.submit(run, fut, buf)
+    else:
+        # On CUDA the p2p waits only order the current stream: the host does not block.
+        run()
+        fut.set_result(buf)
+    return fut
+
+
+HOOKS = {"allreduce": allreduce_hook, "fp32_accumulate": fp32_accumulate_hook}

@@ -1,0 +1,154 @@
+"""Two-process gloo tests on 127.0.0.1: DDP with 16-bit gradients and FP16Optimizer."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import dist_workers as W
+import mpfp16
+import mpfp16.distributed as mdist
+from dist_helpers import run_workers
+
+STEPS = 4
+slow = pytest.mark.slow
+
+
+def single_process_params(steps, accum=1):
+    """The reference: one process, the whole (concatenated) batch."""
+    model = mpfp16.to_half(W.mlp())
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), loss_scale=1024.0)
+    data = W.global_batches(steps * accum)
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accum):
+            x, y = data[step * accum + micro]
+            opt.backward(nn.functional.cross_entropy(model(x), y) / accum)
+        assert opt.step()
+    return W.flat_params(model)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return single_process_params(STEPS)
+
+
+@slow
+@pytest.mark.parametrize("wrap_kw", [
+    {},
+    {"allreduce_dtype": torch.float32},
+    {"predivide_factor": 2.0},
+    {"strategy": "fp32_accumulate"},
+], ids=["fp16-wire", "fp32-wire", "predivide", "fp32-accumulate"])
+def test_matches_single_process_on_the_concatenated_batch(tmp_path, reference, wrap_kw):
+    r0, r1 = run_workers(W.train_dp, tmp_path, args=(STEPS, wrap_kw))
+    assert torch.equal(r0["params"], r1["params"])  # ranks bit-identical
+    torch.testing.assert_close(r0["params"], reference, rtol=1e-2, atol=2e-3)  # fp16 tolerance
+    fp16_bytes = sum(p.numel() for p in W.mlp().parameters()) * 2
+    expected = fp16_bytes * (2 if wrap_kw.get("allreduce_dtype") == torch.float32 else 1)
+    assert all(s["allreduce_bytes"] == expected for s in r0["stats"])
+    wire = "float32" if wrap_kw.get("allreduce_dtype") == torch.float32 else "float16"
+    assert r0["stats"][0]["allreduce_bytes_by_dtype"] == {wire: expected}
+
+
+@slow
+def test_plain_ddp_of_a_half_model_works_with_the_optimizer(tmp_path, reference):
+    r0, r1 = run_workers(W.train_dp, tmp_path, args=(STEPS, {}, 1, "float16", True, True))
+    assert torch.equal(r0["params"], r1["params"])
+    torch.testing.assert_close(r0["params"], reference, rtol=1e-2, atol=2e-3)
+
+
+@slow
+def test_accumulation_sends_once_per_optimizer_step(tmp_path):
+    one = run_workers(W.train_dp, tmp_path / "k1", args=(2, {}, 1))[0]["stats"]
+    eight = run_workers(W.train_dp, tmp_path / "k8", args=(2, {}, 8))[0]["stats"]
+    for a, b in zip(one, eight):
+        assert a["allreduce_calls"] == b["allreduce_calls"] >= 1
+        assert a["allreduce_bytes"] == b["allreduce_bytes"] > 0
+    assert all(s["allreduce_time_s"] >= 0 and s["allreduce_wait_s"] >= 0 for s in one + eight)
+
+
+@slow
+def test_accumulation_matches_single_process(tmp_path):
+    r0, r1 = run_workers(W.train_dp, tmp_path, args=(2, {}, 4))
+    assert torch.equal(r0["params"], r1["params"])
+    torch.testing.assert_close(r0["params"], single_process_params(2, accum=4), rtol=1e-2, atol=2e-3)
+
+
+@slow
+@pytest.mark.parametrize("where", ["input", "grad"])
+def test_overflow_on_one_rank_skips_on_every_rank(tmp_path, where):
+    r0, r1 = run_workers(W.overflow_on_one_rank, tmp_path, args=(8, where))
+    expected = [step not in (2, 5) for step in range(8)]
+    assert r0["stepped"] == r1["stepped"] == expected
+    assert r0["skipped"] == r1["skipped"] == 2 and r0["scale"] == r1["scale"] == 2.0**14
+    assert torch.equal(r0["params"], r1["params"])
+    for a, b in zip(r0["buffers"], r1["buffers"]):  # BatchNorm statistics, synced by DDP
+        assert torch.equal(a, b)
+
+
+@slow
+@pytest.mark.parametrize("wrap_kw,expected", [
+    ({}, float("inf")),                                  # fp16 sum: 40000 + 40000 saturates
+    ({"predivide_factor": 2.0}, 40000.0),                # apex: halve first, sum, no division after
+    ({"allreduce_dtype": torch.float32}, 40000.0),       # fp32 on the wire
+    ({"strategy": "fp32_accumulate"}, 40000.0),          # fp16 on the wire, fp32 sum
+], ids=["fp16", "predivide", "fp32-wire", "fp32-accumulate"])
+def test_sixteen_bit_sum_overflow_and_its_remedies(tmp_path, wrap_kw, expected):
+    r0, r1 = run_workers(W.big_gradients, tmp_path, args=(wrap_kw,))
+    assert r0["grad"] == r1["grad"] == expected
+
+
+@slow
+def test_fp32_accumulate_is_exact_on_odd_sizes(tmp_path):
+    r0, r1 = run_workers(W.fp32_accumulate_exact, tmp_path, args=(3, [7, 1, 16, 5]))
+    for r in (r0, r1):
+        for got, expected in zip(r["got"], r["expected"]):
+            assert torch.equal(got, expected)
+
+
+@slow
+@pytest.mark.parametrize("mode", ["exit", "hang"])
+def test_a_dead_peer_ends_the_run_with_an_error(tmp_path, mode):
+    """Rank 1 exits, or hangs, after two steps: rank 0 fails within its 8 s timeout."""
+    r0, _ = run_workers(W.dead_peer, tmp_path, args=(mode,), timeout=90, wait_ranks=[0])
+    assert r0["error"] is not None
+    assert r0["elapsed"] < (30 if mode == "exit" else 8 + 22)
+
+
+@slow
+def test_only_rank_zero_logs_info(tmp_path):
+    r0, r1 = run_workers(W.log_levels, tmp_path)
+    assert r0 == logging.INFO and r1 == logging.WARNING
+
+
+def test_single_process_without_torchrun(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    info = mdist.init(device="cpu")
+    assert info == mdist.DistInfo(0, 1, 0, torch.device("cpu"), None)
+    assert not info.distributed and info.is_main_process
+    assert mdist.sync_gradients(nn.Linear(1, 1), False) is not None
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"backend": "mpi"}, "unknown distributed backend"),
+    ({"timeout_s": 0}, "timeout must be positive"),
+    ({"device": "tpu"}, "device must be"),
+])
+def test_bad_settings_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        mdist.init(**kw)
+
+
+def test_nccl_needs_cuda(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="NCCL backend needs CUDA"):
+        mdist.init(backend="nccl", device="cpu")
+
+
+def test_wrap_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="under torchrun"):
+        mdist.wrap(nn.Linear(1, 1))
