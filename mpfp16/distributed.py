@@ -16,6 +16,7 @@ import contextlib
 import inspect
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -146,12 +147,13 @@ class _RankFilter(logging.Filter):
 
 
 def _configure_logging(rank: int, level: int) -> None:
-    """One handler on the ``mpfp16`` logger: rank 0 at ``level``, other ranks at WARNING."""
+    """One handler on the ``mpfp16`` logger, writing to stdout: rank 0 at ``level``,
+    other ranks at WARNING, each line tagged with its rank when it is not 0."""
     log = logging.getLogger("mpfp16")
     for handler in list(log.handlers):
         if getattr(handler, "_mpfp16", False):
             log.removeHandler(handler)
-    handler = logging.StreamHandler()
+    handler = logging.StreamHandler(sys.stdout)
     handler._mpfp16 = True
     handler.addFilter(_RankFilter(rank))
     handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(message)s" if rank

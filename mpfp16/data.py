@@ -1,0 +1,337 @@
+"""Data sets, samplers and loaders for the two training scripts.
+
+Sources: CIFAR-10 in torchvision's on-disk format (``cifar-10-batches-py``), an
+ImageFolder root with ``train/`` and ``val/``, or an embedded synthetic data set that
+is generated in memory and needs no file at all. Nothing is ever downloaded.
+
+Every random choice a sample's augmentation makes is seeded by (seed, epoch, index):
+the sampler yields ``(epoch, index)`` keys, and the data set seeds the transform from
+them. The data order comes from :class:`ResumableDistributedSampler`. So a run that
+resumes mid-epoch sees exactly the samples, in exactly the order and with exactly the
+crops, that the uninterrupted run saw, whatever the number of loader workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torchvision
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torchvision.transforms import v2
+
+from .errors import DataError
+
+__all__ = ["DataSpec", "synthetic_images", "load_cifar10", "ImageFolderSplit", "InMemoryImages",
+           "ResumableDistributedSampler", "ShardSampler", "make_loader", "cifar_data", "imagenet_data",
+           "BAD_IMAGE_POLICIES"]
+
+logger = logging.getLogger("mpfp16")
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+BAD_IMAGE_POLICIES = ("fail", "skip")
+
+
+@dataclass
+class DataSpec:
+    """What the engine needs to know about a data set."""
+
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    description: str
+    synthetic: bool
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 63-bit seed for one sample's augmentation (int-tuple hashing is stable across
+    processes; only str and bytes hashes are randomized)."""
+    return hash((seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _apply_transform(transform, image: torch.Tensor, seed: int | None) -> torch.Tensor:
+    if transform is None:
+        return image
+    if seed is None:
+        return transform(image)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transform(image)
+
+
+# ----------------------------------------------------------------- synthetic data
+
+
+def _class_prototypes(num_classes: int, size: int, seed: int) -> torch.Tensor:
+    """One smooth colour pattern per class: three oriented cosine waves, each with its
+    own colour, of 1 to 3 cycles across the image."""
+    g = torch.Generator().manual_seed(seed)
+    coords = torch.arange(size, dtype=torch.float32) / size
+    yy, xx = torch.meshgrid(coords, coords, indexing="ij")
+    protos = []
+    for _ in range(num_classes):
+        image = torch.zeros(3, size, size)
+        for _ in range(3):
+            freq, angle, phase = (1 + 2 * torch.rand(1, generator=g).item(), math.pi * torch.rand(1, generator=g).item(),
+                                  2 * math.pi * torch.rand(1, generator=g).item())
+            wave = torch.cos(2 * math.pi * freq * (xx * math.cos(angle) + yy * math.sin(angle)) + phase)
+            image += torch.randn(3, generator=g)[:, None, None] * wave
+        protos.append(image / image.abs().amax())
+    return torch.stack(protos)
+
+
+def synthetic_images(n: int, size: int = 32, num_classes: int = 10, seed: int = 0,
+                     noise: float = 0.5, distractor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic, learnable image classification set, generated in memory.
+
+    Each class is a fixed smooth colour pattern (the same for every ``seed``); a sample
+    is its class pattern shifted by up to 1/8 of the image, with random contrast and
+    Gaussian noise. A small CNN learns it in a few epochs; noise keeps it from being
+    trivial.
+
+    Returns:
+        uint8 images (n, 3, size, size) and int64 labels (n,).
+    """
+    protos = _class_prototypes(num_classes, size, seed=1234)
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, num_classes, (n,), generator=g)
+    # A distractor: another class's pattern, weaker, shifted independently.
+    others = (labels + torch.randint(1, num_classes, (n,), generator=g)) % num_classes
+    weight = distractor * torch.rand(n, generator=g)
+    shift = size // 8
+    shifts = torch.randint(-shift, shift + 1, (n, 4), generator=g).tolist()
+    images = torch.stack([torch.roll(protos[c], s[:2], (1, 2)) + w * torch.roll(protos[o], s[2:], (1, 2))
+                          for c, o, w, s in zip(labels.tolist(), others.tolist(), weight.tolist(), shifts)])
+    images = images * (0.5 + 0.7 * torch.rand(n, 1, 1, 1, generator=g)) + noise * torch.randn(images.shape, generator=g)
+    return ((images * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8), labels
+
+
+# ----------------------------------------------------------------- CIFAR-10 files
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """CIFAR-10's batches are pickles; load them without running arbitrary code by
+    allowing only what a numpy array needs."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"),
+               ("_codecs", "encode")}  # how protocol-2 pickles written by Python 3 spell bytes
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def _read_cifar_batch(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        with open(path, "rb") as f:
+            batch = _ArraysOnly(f, encoding="bytes").load()
+        data, labels = batch[b"data"], batch[b"labels"]
+        images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())
+        labels = torch.as_tensor(labels, dtype=torch.int64)
+    except (OSError, pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise DataError(f"{path} is not a CIFAR-10 batch file ({type(exc).__name__}: {exc})") from None
+    if images.dtype != torch.uint8 or len(images) != len(labels):
+        raise DataError(f"{path} is not a CIFAR-10 batch file (unexpected array type or size)")
+    return images, labels
+
+
+def load_cifar10(root: str) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Read CIFAR-10 from ``root``: the ``cifar-10-batches-py`` folder or its parent."""
+    if not os.path.exists(root):
+        raise DataError(f"data path {root} does not exist")
+    folder = root if os.path.exists(os.path.join(root, "data_batch_1")) else os.path.join(root, "cifar-10-batches-py")
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing:
+        raise DataError(f"{root} holds no CIFAR-10 data in torchvision's format: expected "
+                        f"cifar-10-batches-py/ with data_batch_1..5 and test_batch (missing {', '.join(missing)})")
+    train = [_read_cifar_batch(os.path.join(folder, n)) for n in names[:5]]
+    test = _read_cifar_batch(os.path.join(folder, "test_batch"))
+    train_images, train_labels = torch.cat([t[0] for t in train]), torch.cat([t[1] for t in train])
+    for name, labels in (("training", train_labels), ("test", test[1])):
+        if len(labels) and (labels.min() < 0 or labels.max() > 9):
+            raise DataError(f"CIFAR-10 {name} labels must be 0..9, found {labels.min()}..{labels.max()}")
+    return (train_images, train_labels), test
+
+
+# ----------------------------------------------------------------- data sets
+
+
+class InMemoryImages(Dataset):
+    """uint8 images held in memory, transformed per sample with a seeded RNG."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform=None, seed: int = 0) -> None:
+        self.images, self.labels, self.transform, self.seed = images, labels, transform, seed
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        image = _apply_transform(self.transform, self.images[index], sample_seed(self.seed, epoch, index))
+        return image, self.labels[index]
+
+
+class ImageFolderSplit(Dataset):
+    """One split (``train/`` or ``val/``) of an ImageFolder root, decoded with Pillow
+    into uint8 tensors.
+
+    ``bad_images`` decides what an image that fails to decode does: ``"fail"`` stops
+    the run with an error naming the file; ``"skip"`` logs a warning naming it and
+    uses the next image of the split that decodes instead, so batches keep their size.
+    """
+
+    def __init__(self, folder: str, transform=None, seed: int = 0, bad_images: str = "fail",
+                 class_to_idx: dict[str, int] | None = None) -> None:
+        if bad_images not in BAD_IMAGE_POLICIES:
+            raise ValueError(f"bad_images must be one of {BAD_IMAGE_POLICIES}")
+        if not os.path.isdir(folder):
+            raise DataError(f"{folder} is not a folder (an ImageFolder root needs train/ and val/)")
+        try:
+            index = torchvision.datasets.ImageFolder(folder, loader=lambda p: p)
+        except (FileNotFoundError, RuntimeError) as exc:
+            raise DataError(f"{folder}: {str(exc).splitlines()[0]}") from None
+        if class_to_idx is not None and index.class_to_idx != class_to_idx:
+            raise DataError(f"{folder} has other class folders than the training split")
+        self.samples = index.samples
+        self.classes = index.classes
+        self.class_to_idx = index.class_to_idx
+        self.transform, self.seed, self.bad_images = transform, seed, bad_images
+        if not self.samples:
+            raise DataError(f"{folder} holds no images")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _decode(self, path: str) -> torch.Tensor:
+        try:
+            with Image.open(path) as image:
+                return v2.functional.pil_to_tensor(image.convert("RGB"))
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            raise DataError(f"cannot decode image {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+    def __getitem__(self, key):
+        epoch, index = key
+        for attempt in range(len(self.samples)):
+            path, label = self.samples[(index + attempt) % len(self.samples)]
+            try:
+                image = self._decode(path)
+                break
+            except DataError as exc:
+                if self.bad_images == "fail":
+                    raise
+                logger.warning("skipping %s", exc)
+        else:
+            raise DataError(f"no image of {len(self.samples)} in the split decodes")
+        return _apply_transform(self.transform, image, sample_seed(self.seed, epoch, index)), label
+
+
+# ----------------------------------------------------------------- samplers
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that yields ``(epoch, index)`` keys and can start mid-epoch.
+
+    ``set_epoch(epoch, start)`` reshuffles as DistributedSampler does (the order
+    depends only on seed and epoch) and skips this rank's first ``start`` samples.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        for position, index in enumerate(super().__iter__()):
+            if position >= self.start:
+                yield self.epoch, index
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.start)
+
+
+class ShardSampler(Sampler):
+    """Rank r gets samples r, r + world, r + 2 world, ...: every sample exactly once
+    across ranks, none repeated to even the shards out (evaluation)."""
+
+    def __init__(self, length: int, num_replicas: int, rank: int) -> None:
+        self.indices = range(rank, length, num_replicas)
+
+    def __iter__(self):
+        return ((0, i) for i in self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def make_loader(dataset, sampler, batch_size: int, workers: int, pin_memory: bool, drop_last: bool) -> DataLoader:
+    # Its own generator: creating an iterator must not draw from the global RNG, or a
+    # run resumed mid-epoch would draw once more than the uninterrupted run did.
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+                      drop_last=drop_last, persistent_workers=False, generator=torch.Generator().manual_seed(0))
+
+
+# ----------------------------------------------------------------- the two recipes
+
+
+def _cifar_train_transform(size: int):
+    return v2.Compose([v2.RandomCrop(size, padding=size // 8, padding_mode="reflect"), v2.RandomHorizontalFlip()])
+
+
+def cifar_data(root: str | None, seed: int, synthetic_size: tuple[int, int] = (5000, 1000)) -> DataSpec:
+    """CIFAR-10 from ``root``, or the embedded synthetic set (32x32, 10 classes)."""
+    if root is None:
+        (xtr, ytr), (xva, yva) = synthetic_images(synthetic_size[0], 32, 10, seed=1), \
+            synthetic_images(synthetic_size[1], 32, 10, seed=2)
+        desc = (f"embedded synthetic data: {len(ytr)} training and {len(yva)} validation images, "
+                "32x32, 10 classes (pass a CIFAR-10 folder to train on real data)")
+        mean, std, synthetic = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True
+    else:
+        (xtr, ytr), (xva, yva) = load_cifar10(root)
+        desc = f"CIFAR-10 from {root}: {len(ytr)} training and {len(yva)} test images"
+        mean, std, synthetic = CIFAR_MEAN, CIFAR_STD, False
+    if len(ytr) == 0 or len(yva) == 0:
+        raise DataError(f"{root}: the training or the test split is empty")
+    return DataSpec(InMemoryImages(xtr, ytr, _cifar_train_transform(32), seed), InMemoryImages(xva, yva),
+                    10, mean, std, desc, synthetic)
+
+
+def imagenet_transforms(size: int):
+    train = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
+    val = v2.Compose([v2.Resize(round(size * 256 / 224), antialias=True), v2.CenterCrop(size)])
+    return train, val
+
+
+def imagenet_data(root: str | None, image_size: int, seed: int, bad_images: str = "fail",
+                  synthetic_size: tuple[int, int] = (2000, 400), synthetic_classes: int = 10) -> DataSpec:
+    """An ImageFolder root with ``train/`` and ``val/``, or the embedded synthetic set."""
+    train_tf, val_tf = imagenet_transforms(image_size)
+    if root is None:
+        stored = max(64, image_size)
+        (xtr, ytr), (xva, yva) = synthetic_images(synthetic_size[0], stored, synthetic_classes, seed=1), \
+            synthetic_images(synthetic_size[1], stored, synthetic_classes, seed=2)
+        desc = (f"embedded synthetic data: {len(ytr)} training and {len(yva)} validation images, "
+                f"{stored}x{stored}, {synthetic_classes} classes (pass an ImageFolder root to train on real data)")
+        return DataSpec(InMemoryImages(xtr, ytr, train_tf, seed), InMemoryImages(xva, yva, val_tf), synthetic_classes,
+                        (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), desc, True)
+    if not os.path.exists(root):
+        raise DataError(f"data path {root} does not exist")
+    train = ImageFolderSplit(os.path.join(root, "train"), train_tf, seed, bad_images)
+    val = ImageFolderSplit(os.path.join(root, "val"), val_tf, seed, bad_images, class_to_idx=train.class_to_idx)
+    desc = f"ImageFolder {root}: {len(train)} training and {len(val)} validation images, {len(train.classes)} classes"
+    return DataSpec(train, val, len(train.classes), IMAGENET_MEAN, IMAGENET_STD, desc, False)

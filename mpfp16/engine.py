@@ -1,0 +1,425 @@
+"""The train/eval loop shared by both scripts: data, model, precision, DDP, accumulation,
+metrics, progress, checkpoints and exact resume.
+
+One optimizer step is ``accum_steps`` micro-batches; the allreduce runs only on the
+last of them. ``step`` counts optimizer steps, skipped ones included; ``--max-steps``,
+``--save-every`` and the learning-rate schedule are in those units.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from tqdm import tqdm
+
+from . import checkpoint as ckpt_io
+from . import data as data_mod
+from . import distributed as mdist
+from . import models
+from .config import TrainConfig
+from .convert import NORM_TYPES, to_half
+from .errors import CheckpointError, UserError
+from .metrics import MetricsWriter
+from .optimizer import FP16Optimizer
+from .schedule import lr_multiplier
+
+__all__ = ["Trainer", "train"]
+
+logger = logging.getLogger("mpfp16")
+
+CHECKPOINT_FORMAT = "mpfp16.checkpoint/1"
+PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+WIRE_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _fmt_time(seconds: float) -> str:
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def param_groups(model: nn.Module, weight_decay: float, no_bn_wd: bool) -> list[dict]:
+    """One group, or, with ``no_bn_wd``, normalization-layer parameters and biases in a
+    group without weight decay."""
+    if not no_bn_wd:
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    no_decay_ids = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(module, NORM_TYPES) or name == "bias" or p.ndim <= 1:
+                no_decay_ids.add(id(p))
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if id(p) not in no_decay_ids], "weight_decay": weight_decay},
+            {"params": [p for p in params if id(p) in no_decay_ids], "weight_decay": 0.0}]
+
+
+class Trainer:
+    """Everything one training run holds. ``fit()`` runs it."""
+
+    def __init__(self, cfg: TrainConfig, info: mdist.DistInfo) -> None:
+        self.cfg, self.info = cfg, info
+        self.device = info.device
+        self.main = info.is_main_process
+        torch.manual_seed(cfg.seed)
+
+        models.check_arch(cfg.task, cfg.arch)  # before loading data, which can take long
+        self.spec = self._build_data()
+        self.model = self._build_model()
+        self.opt = self._build_optimizer()
+        self.ddp = self._wrap()
+        self.samples_per_step = cfg.batch_size * cfg.accum_steps * info.world_size
+        self.steps_per_epoch = len(self.train_sampler) // cfg.batch_size // cfg.accum_steps
+        if self.steps_per_epoch == 0:
+            raise UserError(
+                f"an epoch has no full optimizer step: {len(self.train_sampler)} training samples per process "
+                f"for a batch of {cfg.batch_size} x {cfg.accum_steps} accumulation steps; lower -b or --accum-steps"
+            )
+        # The lr schedule spans --epochs; --max-steps only says where to stop, so that a
+        # run stopped early and resumed follows the same schedule as one that was not.
+        schedule_steps = cfg.epochs * self.steps_per_epoch
+        self.total_steps = cfg.max_steps if cfg.max_steps is not None else schedule_steps
+        warmup = round(cfg.warmup_epochs * self.steps_per_epoch)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_multiplier(s, schedule_steps, warmup, cfg.lr_schedule))
+        self.epochs_shown = max(cfg.epochs, math.ceil(self.total_steps / self.steps_per_epoch))
+
+        self.step = 0
+        self.epoch = 0
+        self.batches_done = 0  # micro-batches of the current epoch already trained on
+        self.best_acc1, self.best_epoch = -1.0, None
+        self.elapsed_before = 0.0
+        self.last_path = os.path.join(cfg.checkpoint_dir, "last.pt")
+        self.best_path = os.path.join(cfg.checkpoint_dir, "best.pt")
+        self.metrics_path = cfg.metrics or os.path.join(cfg.checkpoint_dir, "metrics.jsonl")
+        self._resume()
+        self.metrics = MetricsWriter(self.metrics_path, self.main, cfg.tensorboard)
+
+    # ------------------------------------------------------------------ building
+
+    def _build_data(self) -> data_mod.DataSpec:
+        cfg, info = self.cfg, self.info
+        if cfg.task == "cifar":
+            spec = data_mod.cifar_data(cfg.data, cfg.seed, *([cfg.synthetic_size] if cfg.synthetic_size else []))
+        else:
+            spec = data_mod.imagenet_data(cfg.data, self._image_size(0), cfg.seed, cfg.bad_images,
+                                          *([cfg.synthetic_size] if cfg.synthetic_size else []))
+        logger.info("data: %s", spec.description)
+        self.train_sampler = data_mod.ResumableDistributedSampler(spec.train, info.world_size, info.rank,
+                                                                  shuffle=True, seed=cfg.seed)
+        self.val_sampler = data_mod.ShardSampler(len(spec.val), info.world_size, info.rank)
+        shape = (1, 3, 1, 1)
+        self.mean = torch.tensor(spec.mean, device=self.device).view(shape) * 255
+        self.std = torch.tensor(spec.std, device=self.device).view(shape) * 255
+        return spec
+
+    def _image_size(self, epoch: int) -> int:
+        size = self.cfg.image_size
+        for start, phase_size in self.cfg.resize_phases:
+            if epoch >= start:
+                size = phase_size
+        return size
+
+    def _build_model(self) -> nn.Module:
+        cfg = self.cfg
+        if cfg.task == "cifar":
+            model = models.build_cifar_model(cfg.arch, self.spec.num_classes)
+        else:
+            model = models.build_imagenet_model(cfg.arch, self.spec.num_classes)
+        if cfg.zero_init_residual:
+            count = models.zero_init_residual_bn(model)
+            logger.info("zero-initialized the last BatchNorm gamma of %d residual blocks", count)
+        model = model.to(self.device)
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        dtype = PRECISION_DTYPES[cfg.precision]
+        if dtype != torch.float32:
+            to_half(model, dtype)
+        n = sum(p.numel() for p in model.parameters())
+        logger.info("model: %s, %.2fM parameters, %s%s", cfg.arch, n / 1e6, cfg.precision,
+                    "" if cfg.precision == "fp32" else (" with fp32 master weights" if cfg.master_weights
+                                                        else " without master weights"))
+        return model
+
+    def _build_optimizer(self) -> FP16Optimizer:
+        cfg = self.cfg
+        lr = cfg.lr
+        if cfg.scale_lr:
+            lr = cfg.lr * cfg.batch_size * cfg.accum_steps * self.info.world_size / 256
+            logger.info("learning rate %.4g for a global batch of %d (%.4g per 256)", lr,
+                        cfg.batch_size * cfg.accum_steps * self.info.world_size, cfg.lr)
+        groups = param_groups(self.model, cfg.weight_decay, cfg.no_bn_wd)
+        if cfg.optimizer == "sgd":
+            inner = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        else:
+            inner = torch.optim.AdamW(groups, lr=lr)
+        loss_scale = None if cfg.precision != "fp16" else cfg.loss_scale
+        return FP16Optimizer(inner, loss_scale=loss_scale, master_weights=cfg.master_weights,
+                             max_grad_norm=cfg.max_grad_norm, model=self.model, track_grad_norm=True)
+
+    def _wrap(self) -> nn.Module:
+        if not self.info.distributed:
+            return self.model
+        cfg = self.cfg
+        return mdist.wrap(self.model, allreduce_dtype=WIRE_DTYPES[cfg.allreduce_dtype],
+                          predivide_factor=cfg.predivide_factor, bucket_mb=cfg.bucket_mb,
+                          strategy=cfg.allreduce_strategy)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _resume(self) -> None:
+        cfg = self.cfg
+        path = cfg.resume
+        if path == "auto":
+            path = self.last_path if os.path.isfile(self.last_path) else None
+            logger.info("resume auto: %s", f"resuming from {path}" if path else f"no {self.last_path}, starting fresh")
+        if path is None:
+            if cfg.evaluate:
+                raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
+            return
+        ckpt = ckpt_io.load(path, map_location=self.device)
+        if ckpt.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{path} is not an mpfp16 training checkpoint (no 'format': '{CHECKPOINT_FORMAT}')")
+        try:
+            self.model.load_state_dict(ckpt["model"])
+        except (RuntimeError, KeyError, TypeError) as exc:
+            saved = ckpt.get("config", {}).get("arch", "?")
+            raise CheckpointError(f"checkpoint {path} (arch {saved}) does not fit this model (arch {cfg.arch}): "
+                                  f"{str(exc).strip().splitlines()[0]}") from None
+        try:
+            self.opt.load_state_dict(ckpt["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {path}: optimizer state does not fit: {exc}") from None
+        self.sched.load_state_dict(ckpt["scheduler"])
+        self.step, self.epoch, self.batches_done = int(ckpt["step"]), int(ckpt["epoch"]), int(ckpt["batches_done"])
+        self.best_acc1 = float(ckpt["best_acc1"])
+        self.best_epoch = ckpt["best_epoch"]
+        self.elapsed_before = float(ckpt.get("elapsed", 0.0))
+        rngs = ckpt["rng"]
+        if len(rngs) == self.info.world_size:
+            ckpt_io.set_rng_state(rngs[self.info.rank])
+        else:
+            logger.warning("checkpoint was written by %d processes, this run has %d: resuming, but not "
+                           "bit-identically (data order and RNG streams differ)", len(rngs), self.info.world_size)
+        logger.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
+
+    def _checkpoint(self) -> dict:
+        rng = ckpt_io.rng_state()
+        if self.info.distributed:
+            gathered = [None] * self.info.world_size
+            dist.all_gather_object(gathered, rng)
+            rng = gathered
+        else:
+            rng = [rng]
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "best_acc1": self.best_acc1,
+            "best_epoch": self.best_epoch,
+            "rng": rng,
+            "elapsed": self.elapsed(),
+            "config": self.cfg.as_dict(),
+        }
+
+    def save(self, best: bool = False) -> None:
+        """Write DIR/last.pt (and DIR/best.pt): every rank takes part (RNG states are
+        gathered), rank 0 writes."""
+        state = self._checkpoint()
+        if self.main:
+            ckpt_io.save_atomic(state, self.last_path)
+            if best:
+                ckpt_io.copy_atomic(self.last_path, self.best_path)
+
+    # ------------------------------------------------------------------ the loop
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        self.started = time.perf_counter()
+        if self.main:
+            self.metrics.write({"type": "config", **cfg.as_dict(), "world_size": self.info.world_size,
+                                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps})
+        if cfg.evaluate:
+            result = self.evaluate()
+            logger.info("evaluation: loss %.4f, acc1 %.2f%%, acc5 %.2f%% on %d images", result["val_loss"],
+                        result["val_acc1"], result["val_acc5"], result["val_samples"])
+            self.metrics.write({"type": "eval", "step": self.step, "epoch": self.epoch, **result})
+            self.metrics.close()
+            return result
+        logger.info("training %d steps (%d per epoch) of %d samples; checkpoints in %s, metrics in %s",
+                    self.total_steps, self.steps_per_epoch, self.samples_per_step, cfg.checkpoint_dir,
+                    self.metrics_path)
+        while self.step < self.total_steps:
+            self.train_epoch()
+        return self.finish()
+
+    def _loader(self, epoch: int):
+        size = self._image_size(epoch)
+        if self.cfg.task == "imagenet" and self.spec.train.transform is not None:
+            train_tf, val_tf = data_mod.imagenet_transforms(size)
+            self.spec.train.transform, self.spec.val.transform = train_tf, val_tf
+        self.train_sampler.set_epoch(epoch, self.batches_done * self.cfg.batch_size)
+        return data_mod.make_loader(self.spec.train, self.train_sampler, self.cfg.batch_size, self.cfg.workers,
+                                    self.device.type == "cuda", drop_last=True)
+
+    def _prepare(self, images: torch.Tensor) -> torch.Tensor:
+        images = images.to(self.device, non_blocking=True).float().sub_(self.mean).div_(self.std)
+        if self.cfg.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images
+
+    def train_epoch(self) -> None:
+        cfg = self.cfg
+        epoch = self.epoch
+        steps_left = min(self.steps_per_epoch - self.batches_done // cfg.accum_steps, self.total_steps - self.step)
+        show = self.main and cfg.progress and sys.stderr.isatty()
+        bar = tqdm(total=self.steps_per_epoch, initial=self.batches_done // cfg.accum_steps, disable=not show,
+                   desc=f"epoch {epoch + 1}/{self.epochs_shown}", dynamic_ncols=True, leave=False)
+        self.model.train()
+        epoch_start, epoch_loss, epoch_steps = time.perf_counter(), 0.0, 0
+        window_start, window_loss, window_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
+        batches = iter(self._loader(epoch))
+        for _ in range(steps_left):
+            loss = self.train_step(batches)
+            self.step += 1
+            self.batches_done += cfg.accum_steps
+            comm = mdist.comm_stats(self.ddp)
+            comm = comm.pop_step() if comm is not None else {"allreduce_calls": 0, "allreduce_bytes": 0}
+            window_loss += loss
+            window_steps += 1
+            bar.update(1)
+            if self.step % cfg.print_freq == 0 or self.step == self.total_steps:
+                mean_loss = self._mean_across_ranks(window_loss / window_steps)
+                rate = window_steps * self.samples_per_step / (time.perf_counter() - window_start)
+                epoch_loss += mean_loss * window_steps
+                epoch_steps += window_steps
+                self._log_step(mean_loss, rate, comm)
+                bar.set_postfix(loss=f"{mean_loss:.4f}", scale=f"{self.opt.loss_scale:g}", img_s=f"{rate:.0f}")
+                window_start, window_loss, window_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                self.save()
+        bar.close()
+        if window_steps:
+            mean_loss = self._mean_across_ranks(window_loss / window_steps)
+            epoch_loss += mean_loss * window_steps
+            epoch_steps += window_steps
+        if self.batches_done // cfg.accum_steps >= self.steps_per_epoch:
+            self.epoch, self.batches_done = epoch + 1, 0
+        self._end_epoch(epoch, epoch_loss / max(1, epoch_steps), time.perf_counter() - epoch_start,
+                        epoch_steps * self.samples_per_step)
+
+    def train_step(self, batches) -> torch.Tensor:
+        """One optimizer step over ``accum_steps`` micro-batches. Returns the mean loss
+        (a tensor on the device: no host sync here)."""
+        cfg = self.cfg
+        self.opt.zero_grad()
+        total = torch.zeros((), device=self.device)
+        for micro in range(cfg.accum_steps):
+            images, labels = next(batches)
+            images, labels = self._prepare(images), labels.to(self.device, non_blocking=True)
+            # Only the last micro-batch's backward allreduces: the others accumulate
+            # locally under no_sync, so the wire carries one allreduce per step.
+            with mdist.sync_gradients(self.ddp, micro == cfg.accum_steps - 1):
+                loss = nn.functional.cross_entropy(self.ddp(images).float(), labels,
+                                                   label_smoothing=cfg.label_smoothing)
+                self.opt.backward(loss / cfg.accum_steps)
+            total += loss.detach()
+        self.opt.step()
+        self.sched.step()
+        return total / cfg.accum_steps
+
+    def _mean_across_ranks(self, value: torch.Tensor) -> float:
+        if self.info.distributed:
+            value = value.clone()
+            dist.all_reduce(value)
+            value /= self.info.world_size
+        return float(value)
+
+    def _log_step(self, loss: float, rate: float, comm: dict) -> None:
+        if not self.main:
+            return
+        self.metrics.write({
+            "type": "train", "step": self.step, "epoch": self.epoch, "loss": loss,
+            "loss_scale": self.opt.loss_scale, "skipped_steps": self.opt.skipped_steps,
+            "lr": self.opt.param_groups[0]["lr"], "grad_norm": self.opt.last_grad_norm,
+            "samples_per_s": rate, "allreduce_calls": comm["allreduce_calls"],
+            "allreduce_bytes": comm["allreduce_bytes"], "time": self.elapsed(),
+        })
+
+    def _end_epoch(self, epoch: int, train_loss: float, seconds: float, samples: int) -> None:
+        result = self.evaluate()
+        is_best = result["val_acc1"] > self.best_acc1
+        if is_best:
+            self.best_acc1, self.best_epoch = result["val_acc1"], epoch + 1
+        if self.main:
+            self.metrics.write({"type": "eval", "step": self.step, "epoch": epoch + 1, **result})
+        logger.info("epoch %d/%d: train loss %.4f | val loss %.4f, acc1 %.2f%%, acc5 %.2f%% | %.0f img/s, "
+                    "loss scale %g, %d skipped, %s", epoch + 1, self.epochs_shown, train_loss, result["val_loss"],
+                    result["val_acc1"], result["val_acc5"], samples / max(seconds, 1e-9), self.opt.loss_scale,
+                    self.opt.skipped_steps, _fmt_time(seconds))
+        self.save(best=is_best)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss and top-1/top-5 accuracy over the whole validation split, sharded across
+        ranks and summed, so every sample counts once."""
+        model = self.model  # not the DDP wrapper: ranks may run different numbers of batches
+        if self.info.distributed:
+            for buf in model.buffers():  # BatchNorm statistics: rank 0's, as DDP does at forward
+                dist.broadcast(buf, src=0)
+        model.eval()
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, top1, top5, count
+        loader = data_mod.make_loader(self.spec.val, self.val_sampler, self.cfg.batch_size, self.cfg.workers,
+                                      self.device.type == "cuda", drop_last=False)
+        k = min(5, self.spec.num_classes)
+        for images, labels in loader:
+            images, labels = self._prepare(images), labels.to(self.device, non_blocking=True)
+            logits = model(images).float()
+            top = logits.topk(k, dim=1).indices
+            sums[0] += nn.functional.cross_entropy(logits, labels, reduction="sum").double()
+            sums[1] += (top[:, 0] == labels).sum()
+            sums[2] += (top == labels[:, None]).any(dim=1).sum()
+            sums[3] += len(labels)
+        if self.info.distributed:
+            dist.all_reduce(sums)
+        model.train()
+        loss, top1, top5, count = sums.tolist()
+        count = max(count, 1.0)
+        return {"val_loss": loss / count, "val_acc1": 100 * top1 / count, "val_acc5": 100 * top5 / count,
+                "val_samples": int(count)}
+
+    def finish(self) -> dict:
+        wall = self.elapsed()
+        summary = {"type": "final", "step": self.step, "epoch": self.epoch, "best_acc1": self.best_acc1,
+                   "best_epoch": self.best_epoch, "skipped_steps": self.opt.skipped_steps,
+                   "loss_scale": self.opt.loss_scale, "wall_s": wall, "checkpoint": self.last_path,
+                   "best_checkpoint": self.best_path, "metrics": self.metrics_path}
+        if self.main:
+            self.metrics.write(summary)
+        self.metrics.close()
+        logger.info("done: best val acc1 %.2f%% (epoch %s) in %s, %d steps, %d skipped", self.best_acc1,
+                    self.best_epoch, _fmt_time(wall), self.step, self.opt.skipped_steps)
+        logger.info("checkpoint: %s (best: %s)", self.last_path, self.best_path)
+        logger.info("metrics: %s", self.metrics_path)
+        return summary
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Set up torch.distributed from the environment, run, and tear down."""
+    info = mdist.init(backend=cfg.dist_backend, timeout_s=cfg.dist_timeout, device=cfg.device)
+    try:
+        return Trainer(cfg, info).fit()
+    finally:
+        mdist.teardown()

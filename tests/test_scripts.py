@@ -1,0 +1,254 @@
+"""train_cifar.py and train_imagenet.py end to end, on tiny data, in one process and
+as 2-process gloo runs under torchrun."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_cifar
+import train_imagenet
+from dist_helpers import free_port
+from fake_data import write_fake_cifar, write_fake_imagefolder
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_CIFAR = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
+TINY_IMAGENET = ["-a", "resnet18", "--image-size", "32", "-b", "4", "--no-progress", "-p", "1", "-j", "0"]
+
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+class Result(tuple):
+    """(exit status, stderr), with .out for stdout."""
+
+
+def run_main(main, argv, capsys):
+    """Run a script's main() in-process; return (exit status, stderr) with .out."""
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse
+        status = exc.code
+    captured = capsys.readouterr()
+    result = Result((status, captured.err))
+    result.out = captured.out
+    return result
+
+
+@pytest.fixture(scope="module")
+def cifar_root(tmp_path_factory):
+    return write_fake_cifar(tmp_path_factory.mktemp("cifar"))
+
+
+@pytest.fixture(scope="module")
+def imagenet_root(tmp_path_factory):
+    return write_fake_imagefolder(tmp_path_factory.mktemp("imagenet"))
+
+
+def test_cifar_on_fake_cifar_files(cifar_root, tmp_path, capsys):
+    result = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--epochs", "1", "--max-steps", "3",
+                                         "--checkpoint-dir", str(tmp_path)], capsys)
+    assert result[0] == 0, result[1]
+    assert f"checkpoint: {tmp_path / 'last.pt'}" in result.out and "metrics: " in result.out
+    assert "CIFAR-10 from" in result.out
+    ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert ckpt["step"] == 3 and set(ckpt) >= {"model", "optimizer", "step", "epoch", "rng", "scheduler"}
+    assert (tmp_path / "best.pt").exists()
+
+
+def test_evaluate_a_checkpoint(cifar_root, tmp_path, capsys):
+    assert run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--max-steps", "2", "--checkpoint-dir",
+                                       str(tmp_path)], capsys)[0] == 0
+    result = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "-e", "--resume", str(tmp_path / "best.pt"),
+                                         "--checkpoint-dir", str(tmp_path)], capsys)
+    assert result[0] == 0, result[1]
+    assert "evaluation: loss" in result.out and "on 40 images" in result.out
+
+
+def test_metrics_file_has_the_promised_keys(cifar_root, tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    status, err = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--epochs", "1", "--max-steps", "4",
+                                              "--checkpoint-dir", str(tmp_path), "--metrics", str(metrics)], capsys)
+    assert status == 0, err
+    recs = records(metrics)
+    train = [r for r in recs if r["type"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    for r in train:
+        assert set(r) >= {"step", "epoch", "loss", "loss_scale", "skipped_steps", "lr", "grad_norm",
+                          "samples_per_s", "allreduce_calls", "allreduce_bytes"}
+        assert r["loss"] > 0 and r["samples_per_s"] > 0 and r["loss_scale"] == 65536.0
+    evals = [r for r in recs if r["type"] == "eval"]
+    assert evals and set(evals[-1]) >= {"val_loss", "val_acc1", "val_acc5"}
+    assert recs[-1]["type"] == "final" and recs[-1]["step"] == 4
+
+
+def test_imagenet_on_a_tiny_imagefolder(imagenet_root, tmp_path, capsys):
+    status, err = run_main(train_imagenet.main, [imagenet_root, *TINY_IMAGENET, "--epochs", "1",
+                                                 "--checkpoint-dir", str(tmp_path), "--no-bn-wd",
+                                                 "--zero-init-residual", "--warmup-epochs", "1"], capsys)
+    assert status == 0, err
+    recs = records(tmp_path / "metrics.jsonl")
+    assert recs[-1]["type"] == "final" and recs[-1]["step"] == 6  # 24 images / batch 4
+    assert [r for r in recs if r["type"] == "eval"][-1]["val_samples"] == 9
+
+
+def test_imagenet_progressive_resizing_and_embedded_data(tmp_path, capsys):
+    result = run_main(train_imagenet.main, [*TINY_IMAGENET, "--synthetic-size", "16,8", "--epochs", "2",
+                                            "--resize-phases", "0:16,1:32", "--precision", "bf16",
+                                            "--checkpoint-dir", str(tmp_path)], capsys)
+    assert result[0] == 0, result[1]
+    assert "embedded synthetic data" in result.out
+
+
+def test_embedded_cifar_data_is_learnable(tmp_path, capsys):
+    """A short bf16 run on the embedded set gets well above chance (10%)."""
+    status, err = run_main(train_cifar.main, ["-a", "resnet9-w8", "--precision", "bf16", "--synthetic-size",
+                                              "1280,400", "--epochs", "3", "--no-progress",
+                                              "--checkpoint-dir", str(tmp_path)], capsys)
+    assert status == 0, err
+    final = records(tmp_path / "metrics.jsonl")[-1]
+    assert final["best_acc1"] > 40
+
+
+# ----------------------------------------------------------------- exact resume
+
+
+def _final_state(path):
+    ckpt = torch.load(path, weights_only=True)
+    opt = ckpt["optimizer"]
+    tensors = dict(ckpt["model"])
+    for i, m in enumerate(opt["master_params"]):
+        if m is not None:
+            tensors[f"master.{i}"] = m
+    for i, state in opt["optimizer"]["state"].items():
+        for k, v in state.items():
+            tensors[f"state.{i}.{k}"] = v
+    return tensors, ckpt
+
+
+@pytest.mark.parametrize("extra", [
+    ["--precision", "fp16", "-b", "8", "--accum-steps", "2", "--max-grad-norm", "5"],
+    ["--precision", "fp16", "--no-master-weights", "--optimizer", "adamw", "--lr", "0.01"],
+    ["--precision", "bf16"],
+], ids=["fp16-accum-clip", "fp16-no-master-adamw", "bf16"])
+def test_resume_mid_epoch_is_bit_identical(cifar_root, tmp_path, capsys, extra):
+    """10 steps, a resume, 10 more == 20 straight steps (an epoch is 12 steps here, so
+    the resume lands mid-epoch and the run crosses an epoch boundary after it)."""
+    common = [cifar_root, *TINY_CIFAR, "--epochs", "3", *extra]  # 200 images, 16 per step: 12 steps an epoch
+    straight, parts = tmp_path / "straight", tmp_path / "parts"
+    assert run_main(train_cifar.main, common + ["--max-steps", "20", "--checkpoint-dir", str(straight)], capsys)[0] == 0
+    assert run_main(train_cifar.main, common + ["--max-steps", "10", "--checkpoint-dir", str(parts)], capsys)[0] == 0
+    mid = torch.load(parts / "last.pt", weights_only=True)
+    assert mid["step"] == 10 and mid["epoch"] == 0 and mid["batches_done"] > 0  # mid-epoch
+    assert run_main(train_cifar.main, common + ["--max-steps", "20", "--checkpoint-dir", str(parts),
+                                                "--resume", "auto"], capsys)[0] == 0
+    a, ckpt_a = _final_state(straight / "last.pt")
+    b, ckpt_b = _final_state(parts / "last.pt")
+    assert ckpt_a["step"] == ckpt_b["step"] == 20 and ckpt_a["epoch"] == ckpt_b["epoch"] == 1
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    losses = lambda d: {r["step"]: r["loss"] for r in records(d / "metrics.jsonl") if r["type"] == "train"}
+    tail_a, tail_b = losses(straight), losses(parts)
+    assert all(tail_a[s] == tail_b[s] for s in range(11, 21))
+
+
+# ----------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["{missing}"], "does not exist"),
+    (["{empty}"], "holds no CIFAR-10 data"),
+    (["{garbage}"], "is not a CIFAR-10 batch file"),
+    (["{cifar}", "-a", "resnet7"], "unknown CIFAR arch 'resnet7'"),
+    (["{cifar}", "--resume", "{corrupt}"], "is corrupt"),
+    (["{cifar}", "--resume", "{pickled}"], "contains a pickled Python object (argparse.Namespace)"),
+    (["{cifar}", "--resume", "{nothere}"], "does not exist"),
+], ids=["missing", "empty", "garbage", "arch", "corrupt-ckpt", "pickled-ckpt", "missing-ckpt"])
+def test_bad_input_is_one_line_and_nonzero(cifar_root, tmp_path, capsys, argv, message):
+    (tmp_path / "empty").mkdir()
+    garbage = tmp_path / "garbage" / "cifar-10-batches-py"
+    garbage.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (garbage / name).write_bytes(b"not a pickle at all")
+    (tmp_path / "corrupt.pt").write_bytes(os.urandom(4096))
+    torch.save({"format": "mpfp16.checkpoint/1", "model": argparse.Namespace(evil=True)}, tmp_path / "pickled.pt")
+    paths = {"missing": tmp_path / "nope", "empty": tmp_path / "empty", "garbage": tmp_path / "garbage",
+             "cifar": cifar_root, "corrupt": tmp_path / "corrupt.pt", "pickled": tmp_path / "pickled.pt",
+             "nothere": tmp_path / "nothere.pt"}
+    argv = [*TINY_CIFAR, "--max-steps", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+            *[a.format(**paths) for a in argv]]
+    status, err = run_main(train_cifar.main, argv, capsys)
+    assert status == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+
+
+def test_mismatched_checkpoint_is_refused(cifar_root, tmp_path, capsys):
+    assert run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--max-steps", "1", "--checkpoint-dir",
+                                       str(tmp_path)], capsys)[0] == 0
+    status, err = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "-a", "resnet9-w8", "--max-steps", "2",
+                                              "--checkpoint-dir", str(tmp_path), "--resume", "auto"], capsys)
+    assert status == 2
+    assert err.startswith("error: checkpoint") and "does not fit this model" in err and err.count("\n") == 1
+
+
+def test_empty_imagefolder_and_unknown_arch(tmp_path, capsys):
+    (tmp_path / "root" / "train").mkdir(parents=True)
+    status, err = run_main(train_imagenet.main, [str(tmp_path / "root"), *TINY_IMAGENET], capsys)
+    assert status == 2 and "error:" in err and err.count("\n") == 1
+    status, err = run_main(train_imagenet.main, [*TINY_IMAGENET[:0], "-a", "resnet5000", "--max-steps", "1"],
+                           capsys)
+    assert status == 2 and "unknown torchvision arch 'resnet5000'" in err
+
+
+@pytest.mark.parametrize("argv", [["--epochs", "0"], ["--lr", "-1"], ["--loss-scale", "huge"],
+                                  ["--precision", "fp8"], ["--precision", "bf16", "--loss-scale", "128"]])
+def test_bad_flags_are_argparse_errors(capsys, argv):
+    status, err = run_main(train_cifar.main, argv, capsys)
+    assert status == 2 and "error:" in err and "Traceback" not in err
+
+
+def test_no_traceback_from_the_real_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, "train_cifar.py", str(tmp_path / "absent")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: data path {tmp_path / 'absent'} does not exist"]
+
+
+# ----------------------------------------------------------------- torchrun, 2 processes
+
+
+def torchrun(script, args, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+def test_cifar_under_torchrun(cifar_root, tmp_path):
+    proc = torchrun("train_cifar.py", [cifar_root, *TINY_CIFAR, "--max-steps", "3", "--accum-steps", "2",
+                                       "--checkpoint-dir", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = [r for r in records(tmp_path / "metrics.jsonl") if r["type"] == "train"]
+    assert len(train) == 3
+    assert all(r["allreduce_calls"] >= 1 and r["allreduce_bytes"] > 0 for r in train)
+    assert len({r["allreduce_bytes"] for r in train}) == 1  # per step, not running totals
+    assert "[rank 1]" not in proc.stdout  # only rank 0 reports
+
+
+@pytest.mark.slow
+def test_imagenet_under_torchrun(imagenet_root, tmp_path):
+    proc = torchrun("train_imagenet.py", [imagenet_root, *TINY_IMAGENET, "--max-steps", "2",
+                                          "--allreduce-strategy", "fp32_accumulate",
+                                          "--checkpoint-dir", str(tmp_path)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [r for r in records(tmp_path / "metrics.jsonl") if r["type"] == "eval"]
+    assert evals[-1]["val_samples"] == 9  # 9 images sharded 5 + 4, each counted once
