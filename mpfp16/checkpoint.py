@@ -21,7 +21,7 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["save_atomic", "copy_atomic", "load", "rng_state", "set_rng_state"]
+__all__ = ["save_atomic", "copy_atomic", "load", "rng_state", "set_rng_state", "remove_stale_temps"]
 
 
 def _fsync_dir(folder: str) -> None:
@@ -37,21 +37,45 @@ def _fsync_dir(folder: str) -> None:
 
 def _write_atomic(path: str, write) -> None:
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=_TMP_SUFFIX, dir=folder)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
         raise
     _fsync_dir(folder)
+
+
+_TMP_SUFFIX = ".tmp"
+
+
+def remove_stale_temps(folder: str) -> list[str]:
+    """Delete the temporary files of writes that a killed process left behind
+    (``.NAME.XXXX.tmp`` next to NAME); they are never a valid checkpoint."""
+    removed = []
+    if not os.path.isdir(folder):
+        return removed
+    for name in os.listdir(folder):
+        if name.startswith(".") and name.endswith(_TMP_SUFFIX) and ".pt." in name:
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
 
 
 def save_atomic(obj: dict, path: str) -> None:

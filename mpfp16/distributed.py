@@ -130,10 +130,31 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, devic
     if backend == "nccl" and not use_cuda:
         raise ValueError("the NCCL backend needs CUDA GPUs; use gloo on CPU")
     kwargs = {"device_id": dev} if use_cuda else {}
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=_attempt_store(rank, world_size, timeout), rank=rank,
+                            world_size=world_size, timeout=timeout, **kwargs)
     logger.info("distributed: %d processes, backend %s, device %s, timeout %gs", world_size, backend,
                 dev.type, timeout_s)
     return DistInfo(rank, world_size, local_rank, dev, backend)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store of ``env://``, with keys private to this restart attempt.
+
+    When torchrun restarts a failed group (``--max-restarts``), the new workers talk
+    through the same store as the old ones. gloo then found the old workers'
+    addresses there and failed to connect ("Connection refused"), so the restart
+    never trained. A prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps each attempt's
+    keys apart.
+    """
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise RuntimeError(f"{name} is not set: launch with torchrun")
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world_size,
+                          is_master=rank == 0 and not agent_hosts, timeout=timeout, multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"mpfp16/attempt-{attempt}/", store)
 
 
 class _RankFilter(logging.Filter):

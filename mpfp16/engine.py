@@ -97,6 +97,10 @@ class Trainer:
         self.last_path = os.path.join(cfg.checkpoint_dir, "last.pt")
         self.best_path = os.path.join(cfg.checkpoint_dir, "best.pt")
         self.metrics_path = cfg.metrics or os.path.join(cfg.checkpoint_dir, "metrics.jsonl")
+        if self.main:
+            stale = ckpt_io.remove_stale_temps(cfg.checkpoint_dir)
+            if stale:
+                logger.info("removed %d unfinished checkpoint writes from %s", len(stale), cfg.checkpoint_dir)
         self._resume()
         self.metrics = MetricsWriter(self.metrics_path, self.main, cfg.tensorboard)
 
@@ -325,6 +329,7 @@ class Trainer:
         (a tensor on the device: no host sync here)."""
         cfg = self.cfg
         self.opt.zero_grad()
+        self._snapshot_buffers()
         total = torch.zeros((), device=self.device)
         for micro in range(cfg.accum_steps):
             images, labels = next(batches)
@@ -336,9 +341,26 @@ class Trainer:
                                                    label_smoothing=cfg.label_smoothing)
                 self.opt.backward(loss / cfg.accum_steps)
             total += loss.detach()
-        self.opt.step()
+        if not self.opt.step():
+            self._restore_buffers()
         self.sched.step()
         return total / cfg.accum_steps
+
+    def _snapshot_buffers(self) -> None:
+        """Keep the model's buffers (BatchNorm statistics) as they were before this
+        step's forward passes: a batch that makes the step skip (NaN in the data, say)
+        must not leave NaN in the running statistics either."""
+        buffers = list(self.model.buffers())
+        if not hasattr(self, "_buffer_copies"):
+            self._buffer_copies = [b.detach().clone() for b in buffers]
+        elif buffers:
+            torch._foreach_copy_(self._buffer_copies, buffers)
+
+    @torch.no_grad()
+    def _restore_buffers(self) -> None:
+        buffers = list(self.model.buffers())
+        if buffers:
+            torch._foreach_copy_(buffers, self._buffer_copies)
 
     def _mean_across_ranks(self, value: torch.Tensor) -> float:
         if self.info.distributed:

@@ -32,8 +32,11 @@ class MetricsWriter:
         if not enabled:
             return
         if self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")
+            except OSError as exc:
+                raise UserError(f"cannot write metrics file {self.path}: {exc.strerror or exc}") from None
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -1,0 +1,292 @@
+"""Nothing lost: what each kind of failure does (README, "What survives what")."""
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fault_workers as FW
+import train_cifar
+import train_imagenet
+from dist_helpers import free_port, run_workers
+from fake_data import write_fake_cifar, write_fake_imagefolder
+from mpfp16 import checkpoint as ckpt_io
+from mpfp16.errors import CheckpointError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
+
+
+@pytest.fixture(scope="module")
+def cifar_root(tmp_path_factory):
+    return write_fake_cifar(tmp_path_factory.mktemp("cifar"))
+
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def children(pid):
+    """PIDs whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def torchrun_cmd(args, max_restarts):
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--max-restarts", str(max_restarts),
+            "--monitor-interval", "0.2", "train_cifar.py", *args]
+
+
+def checkpoint_tensors(path):
+    ckpt = torch.load(path, weights_only=True)
+    tensors = {f"model.{k}": v for k, v in ckpt["model"].items()}
+    for i, m in enumerate(ckpt["optimizer"]["master_params"]):
+        if m is not None:
+            tensors[f"master.{i}"] = m
+    for i, state in ckpt["optimizer"]["optimizer"]["state"].items():
+        for k, v in state.items():
+            tensors[f"state.{i}.{k}"] = v
+    return ckpt, tensors
+
+
+# ----------------------------------------------------------------- 1. elastic restart
+
+
+@pytest.mark.slow
+def test_elastic_restart_after_sigkill_is_bit_identical(cifar_root, tmp_path):
+    args = [cifar_root, *TINY, "--epochs", "3", "--max-steps", "30", "--save-every", "4", "--resume", "auto"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    straight = subprocess.run(torchrun_cmd(args + ["--checkpoint-dir", str(tmp_path / "straight")], 0), cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    killed_dir = tmp_path / "killed"
+    proc = subprocess.Popen(torchrun_cmd(args + ["--checkpoint-dir", str(killed_dir)], 1), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (killed_dir / "last.pt").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
+        time.sleep(0.02)
+    workers = children(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out  # the group restarted and resumed from last.pt
+    assert sum(r["type"] == "config" for r in records(killed_dir / "metrics.jsonl")) == 2
+
+    a_ckpt, a = checkpoint_tensors(tmp_path / "straight" / "last.pt")
+    b_ckpt, b = checkpoint_tensors(killed_dir / "last.pt")
+    assert a_ckpt["step"] == b_ckpt["step"] == 30
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+# ----------------------------------------------------------------- 2. kill during a checkpoint write
+
+
+def test_an_exception_inside_the_write_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "last.pt")
+    ckpt_io.save_atomic({"i": 1, "w": torch.ones(4)}, path)
+
+    def torn_save(obj, f):
+        f.write(b"PK\x03\x04 half a zip file")
+        raise KeyboardInterrupt  # the process is interrupted in the middle of the write
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt_io.save_atomic({"i": 2, "w": torch.zeros(4)}, path)
+    monkeypatch.undo()
+    assert ckpt_io.load(path)["i"] == 1
+    assert os.listdir(tmp_path) == ["last.pt"]  # no temporary file left behind
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_writes_never_corrupts(tmp_path):
+    """A process writes ever newer 40 MB checkpoints; SIGKILL at random moments. The file
+    always loads, and holds the newest completed write or the one after it."""
+    path = tmp_path / "last.pt"
+    rng = random.Random(0)
+    for trial in range(4):
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "fault_workers.py"), str(path),
+                                 str(10_000_000)], stdout=subprocess.PIPE, text=True)
+        done = 0
+        while done < 2:  # let a couple of writes finish, then kill one in flight
+            done = int(proc.stdout.readline())
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.kill()
+        printed = [int(line) for line in proc.stdout.read().split()]
+        proc.wait()
+        last_done = max([done] + printed)
+        ckpt = ckpt_io.load(str(path))
+        assert ckpt["i"] in (last_done, last_done + 1)
+        assert torch.equal(ckpt["payload"][:5], torch.full((5,), float(ckpt["i"])))
+    # the next run's start removes what the killed writes left behind
+    ckpt_io.remove_stale_temps(str(tmp_path))
+    assert os.listdir(tmp_path) == ["last.pt"]
+
+
+def test_unwritable_checkpoint_dir_is_one_line(cifar_root, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    status = train_cifar.main([cifar_root, *TINY, "--max-steps", "1", "--checkpoint-dir", str(blocker / "ck"),
+                               "--metrics", str(tmp_path / "m.jsonl")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("error: cannot write checkpoint") and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------- 3. non-finite storms
+
+
+@pytest.mark.slow
+def test_a_nan_batch_on_one_rank_skips_everywhere_and_the_run_goes_on(cifar_root, tmp_path):
+    argv = [cifar_root, *TINY, "--max-steps", "6", "--checkpoint-dir", str(tmp_path)]
+    r0, r1 = run_workers(FW.nan_batch_on_one_rank, tmp_path / "out", args=(argv,))
+    assert r0 == r1 == {"skipped": 1, "step": 6}
+    train = {r["step"]: r for r in records(tmp_path / "metrics.jsonl") if r["type"] == "train"}
+    assert train[2]["skipped_steps"] == 0 and train[3]["skipped_steps"] == 1 and train[6]["skipped_steps"] == 1
+
+
+@pytest.mark.slow
+def test_nan_at_every_step_stops_every_rank_and_keeps_the_checkpoint(cifar_root, tmp_path):
+    argv = [cifar_root, *TINY, "--epochs", "4", "--max-steps", "40", "--save-every", "2",
+            "--checkpoint-dir", str(tmp_path)]
+    results = run_workers(FW.nan_forever, tmp_path / "out", args=(argv, 5), timeout=180)
+    for r in results:
+        assert r["status"] == 1
+        lines = r["stderr"].strip().splitlines()
+        assert len(lines) == 1 and "loss scale stuck at 1" in lines[0] and "NaN" in lines[0]
+    ckpt = ckpt_io.load(str(tmp_path / "last.pt"))
+    assert 4 <= ckpt["step"] < 40
+    clean = torch.load(tmp_path / "last.pt", weights_only=True)["model"]
+    assert all(torch.isfinite(v).all() for v in clean.values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_unscaled_runs_stop_after_a_bounded_number_of_bad_steps(cifar_root, tmp_path, capsys, precision,
+                                                                monkeypatch):
+    original = FW.engine.Trainer._prepare
+    monkeypatch.setattr(FW.engine.Trainer, "_prepare", lambda self, x: original(self, x) * float("nan"))
+    status = train_cifar.main([cifar_root, *TINY, "--precision", precision, "--max-steps", "20",
+                               "--checkpoint-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 1 and len(err) == 1 and "4 consecutive steps" in err[0] and "step 4" in err[0]
+
+
+# ----------------------------------------------------------------- 4. a dead peer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["exit", "hang"])
+def test_a_dead_peer_ends_the_others_with_one_line(cifar_root, tmp_path, mode):
+    argv = [cifar_root, *TINY, "--max-steps", "20", "--dist-timeout", "8", "--checkpoint-dir", str(tmp_path)]
+    r0, _ = run_workers(FW.peer_dies, tmp_path / "out", args=(argv, mode), timeout=120, wait_ranks=[0])
+    assert r0["status"] == 1 and r0["elapsed"] < 60
+    lines = r0["stderr"].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: communication with another process failed")
+
+
+@pytest.mark.slow
+def test_torchrun_without_restarts_ends_when_a_worker_is_killed(cifar_root, tmp_path):
+    args = [cifar_root, *TINY, "--epochs", "20", "--dist-timeout", "20", "--save-every", "2",
+            "--checkpoint-dir", str(tmp_path)]
+    proc = subprocess.Popen(torchrun_cmd(args, 0), cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not (tmp_path / "last.pt").exists():
+        assert proc.poll() is None
+        time.sleep(0.02)
+    os.kill(children(proc.pid)[1], signal.SIGKILL)
+    started = time.monotonic()
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - started < 60
+    ckpt_io.load(str(tmp_path / "last.pt"))  # the last checkpoint survived
+
+
+# ----------------------------------------------------------------- 5. untrusted files
+
+
+@pytest.fixture
+def truncated_folder(tmp_path):
+    root = write_fake_imagefolder(tmp_path / "images")
+    victim = os.path.join(root, "train", "dog", "3.jpg")
+    with open(victim, "rb") as f:
+        data = f.read()
+    with open(victim, "wb") as f:
+        f.write(data[: len(data) // 3])
+    return root, victim
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_truncated_jpeg_fails_the_run_naming_the_file(truncated_folder, tmp_path, capsys, workers):
+    root, victim = truncated_folder
+    status = train_imagenet.main([root, "-a", "resnet18", "--image-size", "32", "-b", "4", "--no-progress",
+                                  "--precision", "bf16", "-j", workers, "--epochs", "1",
+                                  "--checkpoint-dir", str(tmp_path / "ck")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith(f"error: cannot decode image {victim}")
+
+
+def test_truncated_jpeg_is_skipped_with_a_warning_when_asked(truncated_folder, tmp_path, capsys):
+    root, victim = truncated_folder
+    status = train_imagenet.main([root, "-a", "resnet18", "--image-size", "32", "-b", "4", "--no-progress",
+                                  "--precision", "bf16", "-j", "0", "--epochs", "1", "--bad-images", "skip",
+                                  "--checkpoint-dir", str(tmp_path / "ck")])
+    out = capsys.readouterr().out
+    assert status == 0 and f"skipping cannot decode image {victim}" in out
+
+
+def test_checkpoint_with_a_pickled_object_is_refused(tmp_path):
+    torch.save({"model": {"w": torch.ones(1)}, "extra": argparse.Namespace(run="rm -rf /")}, tmp_path / "evil.pt")
+    with pytest.raises(CheckpointError, match="contains a pickled Python object"):
+        ckpt_io.load(str(tmp_path / "evil.pt"))
+
+
+# ----------------------------------------------------------------- 6. the command line
+
+BAD_OR_ODD_VALUES = ["0", "-1", "1e400", "nan", "inf", "abc", "", "1.5", "99999999999999999999", "-0", "auto"]
+FLAGS = ["--epochs", "--max-steps", "-b", "--accum-steps", "--lr", "--momentum", "--wd", "--label-smoothing",
+         "--warmup-epochs", "--lr-schedule", "--precision", "--loss-scale", "--max-grad-norm", "--allreduce-dtype",
+         "--allreduce-strategy", "--predivide-factor", "--bucket-mb", "--dist-backend", "--dist-timeout", "--device",
+         "--save-every", "--resume", "-p", "-j", "-a", "--seed", "--synthetic-size", "--optimizer", "--metrics"]
+SWITCHES = ["--no-master-weights", "--nesterov", "--no-nesterov", "--no-bn-wd", "--channels-last",
+            "--zero-init-residual", "-e", "--no-progress"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(
+    st.tuples(st.sampled_from(FLAGS), st.sampled_from(BAD_OR_ODD_VALUES + ["2", "fp32", "bf16", "0.1", "8,4"])),
+    st.tuples(st.sampled_from(SWITCHES)),
+), max_size=4))
+def test_random_flags_never_give_a_traceback(tmp_path_factory, capsys, flags):
+    tmp = tmp_path_factory.mktemp("fuzz")
+    argv = ["--synthetic-size", "64,16", "-a", "resnet9-w4", "-b", "16", "--max-steps", "1", "--no-progress",
+            "--checkpoint-dir", str(tmp)] + [part for flag in flags for part in flag]
+    try:
+        status = train_cifar.main(argv)
+    except SystemExit as exc:  # argparse
+        status = exc.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert status in (0, 1, 2)
+    if status:
+        assert err.strip() and "error:" in err.strip().splitlines()[-1]
