@@ -158,10 +158,13 @@ class Trainer:
             logger.info("learning rate %.4g for a global batch of %d (%.4g per 256)", lr,
                         cfg.batch_size * cfg.accum_steps * self.info.world_size, cfg.lr)
         groups = param_groups(self.model, cfg.weight_decay, cfg.no_bn_wd)
-        if cfg.optimizer == "sgd":
-            inner = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-        else:
-            inner = torch.optim.AdamW(groups, lr=lr)
+        try:
+            if cfg.optimizer == "sgd":
+                inner = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+            else:
+                inner = torch.optim.AdamW(groups, lr=lr)
+        except ValueError as exc:  # e.g. Nesterov without momentum
+            raise UserError(f"optimizer settings: {exc}") from None
         loss_scale = None if cfg.precision != "fp16" else cfg.loss_scale
         return FP16Optimizer(inner, loss_scale=loss_scale, master_weights=cfg.master_weights,
                              max_grad_norm=cfg.max_grad_norm, model=self.model, track_grad_norm=True)

@@ -4,6 +4,7 @@ as 2-process gloo runs under torchrun."""
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -177,7 +178,7 @@ def test_bad_input_is_one_line_and_nonzero(cifar_root, tmp_path, capsys, argv, m
     garbage.mkdir(parents=True)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         (garbage / name).write_bytes(b"not a pickle at all")
-    (tmp_path / "corrupt.pt").write_bytes(os.urandom(4096))
+    (tmp_path / "corrupt.pt").write_bytes(random.Random(0).randbytes(4096))
     torch.save({"format": "mpfp16.checkpoint/1", "model": argparse.Namespace(evil=True)}, tmp_path / "pickled.pt")
     paths = {"missing": tmp_path / "nope", "empty": tmp_path / "empty", "garbage": tmp_path / "garbage",
              "cifar": cifar_root, "corrupt": tmp_path / "corrupt.pt", "pickled": tmp_path / "pickled.pt",
