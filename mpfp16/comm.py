@@ -14,14 +14,16 @@ The hooks here average a bucket across ranks in one of two ways:
     16-bit values on the wire, fp32 arithmetic: a reduce-scatter made of point-to-point
     exchanges (each rank receives every rank's copy of its own shard), a local sum in
     fp32 divided by world_size and rounded once to 16 bits, then an all-gather of the
-    shards, also point-to-point. The wire carries as many bytes as a 16-bit ring
+    shards, also point-to-point. Buckets under 64K elements, where latency rules,
+    take one fp32 allreduce of the upcast values instead. The wire carries as many bytes as a 16-bit ring
     allreduce, nothing overflows unless the average itself does, and on gloo the slow
     per-element 16-bit arithmetic of its allreduce is replaced by one vectorized pass.
     On CPU the exchanges run on a worker thread, so backward keeps overlapping them.
 
 :class:`CommStats` counts, for each optimizer step, the logical allreduce calls (one
-per bucket), their payload bytes by wire dtype, the time they took, and the time the
-step waited for them after the last bucket was handed over.
+per bucket), their payload bytes by wire dtype, the span from the first bucket's
+hand-over to the last result, and the part of it left exposed after backward had
+handed over its last bucket.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["STRATEGIES", "CommStats", "HookState", "allreduce_hook", "fp32_accumulate_hook", "HOOKS"]
+__all__ = ["STRATEGIES", "CommStats", "HookState", "allreduce_hook", "fp32_accumulate_hook", "HOOKS",
+           "average_fp32_accumulate"]
 
 logger = logging.getLogger("mpfp16")
 
@@ -51,7 +54,9 @@ class CommStats:
     """Communication accounting, reset by :meth:`pop_step` once per optimizer step.
 
     The hooks call :meth:`launched` when a bucket is handed to communication and
-    :meth:`finished` when its result is ready (from a communication thread).
+    :meth:`finished` when its result is ready (from a communication thread);
+    :func:`mpfp16.distributed.wrap` calls :meth:`new_round` before each forward pass,
+    since one backward pass makes one round of buckets.
     """
 
     def __init__(self) -> None:
@@ -62,22 +67,33 @@ class CommStats:
         self.calls = 0
         self.bytes_by_dtype: Counter[str] = Counter()
         self.time_s = 0.0
-        self._last_launch = None
-        self._last_finish = None
+        self.wait_s = 0.0
+        self._first_launch = self._last_launch = self._last_finish = None
 
-    def launched(self, numel: int, wire_dtype: torch.dtype) -> float:
+    def launched(self, numel: int, wire_dtype: torch.dtype) -> None:
         now = time.perf_counter()
         with self._lock:
             self.calls += 1
             self.bytes_by_dtype[dtype_name(wire_dtype)] += numel * wire_dtype.itemsize
+            if self._first_launch is None:
+                self._first_launch = now
             self._last_launch = now
-        return now
 
-    def finished(self, started: float) -> None:
+    def finished(self) -> None:
         now = time.perf_counter()
         with self._lock:
-            self.time_s += now - started
             self._last_finish = now if self._last_finish is None else max(self._last_finish, now)
+
+    def new_round(self) -> None:
+        """Close the current backward pass's round of buckets."""
+        with self._lock:
+            self._close_round()
+
+    def _close_round(self) -> None:
+        if self._first_launch is not None and self._last_finish is not None:
+            self.time_s += max(0.0, self._last_finish - self._first_launch)
+            self.wait_s += max(0.0, self._last_finish - self._last_launch)
+        self._first_launch = self._last_launch = self._last_finish = None
 
     def pop_step(self) -> dict:
         """The figures since the previous call, then reset.
@@ -86,22 +102,22 @@ class CommStats:
             ``allreduce_calls``: logical allreduces (one per bucket);
             ``allreduce_bytes``: their payload, in the dtype on the wire;
             ``allreduce_bytes_by_dtype``: the same, by dtype name;
-            ``allreduce_time_s``: summed duration of the bucket allreduces, overlapped
-            with backward or not;
-            ``allreduce_wait_s``: from the last bucket's hand-over (when backward had
-            no more gradient to produce) to the last result: the communication time
-            left exposed. On CUDA these times are host-side enqueue times.
+            ``allreduce_time_s``: for each backward pass, from its first bucket's
+            hand-over to its last result, summed: the time communication was in
+            flight, overlapped with backward or not;
+            ``allreduce_wait_s``: for each backward pass, from its last bucket's
+            hand-over (when backward had no more gradient to produce) to its last
+            result, summed: the communication time left exposed. On CUDA these are
+            host-side times of enqueued work.
         """
         with self._lock:
-            wait = 0.0
-            if self._last_launch is not None and self._last_finish is not None:
-                wait = max(0.0, self._last_finish - self._last_launch)
+            self._close_round()
             out = {
                 "allreduce_calls": self.calls,
                 "allreduce_bytes": sum(self.bytes_by_dtype.values()),
                 "allreduce_bytes_by_dtype": dict(self.bytes_by_dtype),
                 "allreduce_time_s": self.time_s,
-                "allreduce_wait_s": wait,
+                "allreduce_wait_s": self.wait_s,
             }
             self._reset()
         return out
@@ -115,6 +131,7 @@ class HookState:
     allreduce_dtype: torch.dtype | None = None
     predivide_factor: float = 1.0
     chunk_numel: int = 1 << 23
+    small_numel: int = 1 << 16  # below this, fp32_accumulate upcasts and allreduces in fp32
     stats: CommStats = field(default_factory=CommStats)
     _worker: _Worker | None = None
     _scratch: torch.Tensor | None = None
@@ -149,7 +166,7 @@ def allreduce_hook(state: HookState, bucket):  # DDP rejects string annotations 
     post = world / pre
     if pre != 1.0:
         wire.div_(pre)
-    started = state.stats.launched(buf.numel(), wire_dtype)
+    state.stats.launched(buf.numel(), wire_dtype)
     work = dist.all_reduce(wire, group=state.group, async_op=True)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
@@ -158,7 +175,7 @@ def allreduce_hook(state: HookState, bucket):  # DDP rejects string annotations 
             result.div_(post)
         if result is not buf:
             buf.copy_(result)
-        state.stats.finished(started)
+        state.stats.finished()
         return buf
 
     return work.get_future().then(finish)
@@ -171,7 +188,7 @@ def _reduce_shard(mine: torch.Tensor, others: torch.Tensor, world: int) -> None:
 
 
 _compiled_reduce = None
-_COMPILE_MIN_NUMEL = 1 << 20
+_COMPILE_MIN_NUMEL = 1 << 15
 
 
 def _reduce(mine: torch.Tensor, others: torch.Tensor, world: int) -> None:
@@ -207,6 +224,23 @@ def _exchange(group, rank: int, sends: list[torch.Tensor | None], recvs: list[to
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+
+def average_fp32_accumulate(state: HookState, buf: torch.Tensor) -> torch.dtype:
+    """Average a 16-bit ``buf`` across ranks in place with fp32 sums; return the wire dtype.
+
+    Buffers under ``state.small_numel`` elements are latency-bound: there one fp32
+    allreduce of the upcast values beats two rounds of point-to-point exchanges
+    (docs/BANDWIDTH.md), and gives the same fp32 sum.
+    """
+    world = dist.get_world_size(state.group)
+    if buf.numel() < state.small_numel:
+        wide = buf.float()
+        dist.all_reduce(wide, group=state.group)
+        buf.copy_(wide.div_(world))
+        return torch.float32
+    _fp32_accumulate(state, buf)
+    return buf.dtype
 
 
 def _fp32_accumulate(state: HookState, buf: torch.Tensor) -> None:
@@ -269,11 +303,11 @@ def fp32_accumulate_hook(state: HookState, bucket):
     buf = bucket.buffer()
     if buf.dtype == torch.float32 or dist.get_world_size(state.group) == 1:
         return allreduce_hook(state, bucket)
-    started = state.stats.launched(buf.numel(), buf.dtype)
+    state.stats.launched(buf.numel(), torch.float32 if buf.numel() < state.small_numel else buf.dtype)
 
     def run() -> None:
-        _fp32_accumulate(state, buf)
-        state.stats.finished(started)
+        average_fp32_accumulate(state, buf)
+        state.stats.finished()
 
     fut: torch.futures.Future = torch.futures.Future()
     if buf.device.type == "cpu":

@@ -254,6 +254,7 @@ def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, pre
     state = HookState(process_group=process_group, allreduce_dtype=allreduce_dtype,
                       predivide_factor=float(predivide_factor))
     ddp.register_comm_hook(state, HOOKS[strategy])
+    ddp.register_forward_pre_hook(lambda module, args: state.stats.new_round())
     ddp._mpfp16_hook_state = state
     _HOOK_STATES.append(state)
     return ddp

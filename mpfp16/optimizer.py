@@ -141,6 +141,8 @@ class FP16Optimizer(torch.optim.Optimizer):
             a step (default: all). The overflow flag is max-reduced across them, so
             every rank skips together even when only one rank's gradients overflowed
             outside the data-parallel allreduce.
+        reduce_overflow: set False when this rank steps alone while others run
+            (a single-process baseline inside a distributed job); also an attribute.
 
     Gradients live in persistent flat buffers, so ``zero_grad()`` zeroes them in place
     (one fill per buffer) whatever ``set_to_none`` says, and a parameter that got no
@@ -158,6 +160,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         model: torch.nn.Module | None = None,
         track_grad_norm: bool = False,
         process_group: dist.ProcessGroup | None = None,
+        reduce_overflow: bool = True,
     ) -> None:
         if isinstance(optimizer, FP16Optimizer):
             raise TypeError("the optimizer is already an FP16Optimizer; wrap the inner optimizer once")
@@ -171,6 +174,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.track_grad_norm = bool(track_grad_norm)
         self.process_group = process_group
+        self.reduce_overflow = reduce_overflow
         self.skipped_steps = 0
         self.iteration = 0  # optimizer steps attempted, skipped ones included
         self._last_grad_norm: torch.Tensor | None = None
@@ -336,7 +340,7 @@ class FP16Optimizer(torch.optim.Optimizer):
             raise ValueError("FP16Optimizer.step() takes no closure: call backward() then step()")
         self._check_ready()
         found_inf = self._unscale_grads()
-        if get_world_size() > 1:
+        if self.reduce_overflow and get_world_size() > 1:
             # After DDP's allreduce the gradients already agree; this one-float reduction
             # makes the decision agree whatever happened to them since.
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)

@@ -103,7 +103,7 @@ def big_gradients(rank, wrap_kw):
     return out
 
 
-def fp32_accumulate_exact(rank, chunk_numel, sizes):
+def fp32_accumulate_exact(rank, chunk_numel, sizes, small_numel):
     """Odd sizes and tiny chunks (empty shards included) against a hand-computed average."""
     import torch.distributed as dist
 
@@ -112,6 +112,7 @@ def fp32_accumulate_exact(rank, chunk_numel, sizes):
     params = nn.ParameterList([nn.Parameter(torch.zeros(n, dtype=torch.float16)) for n in sizes])
     ddp = mdist.wrap(params_module(params), strategy="fp32_accumulate")
     ddp._mpfp16_hook_state.chunk_numel = chunk_numel
+    ddp._mpfp16_hook_state.small_numel = small_numel
     g = torch.Generator().manual_seed(123)
     per_rank = [[torch.randn(n, generator=g).mul(30000).half() for n in sizes] for _ in range(2)]
     ddp(per_rank[rank]).backward()

@@ -45,10 +45,11 @@ def test_matches_single_process_on_the_concatenated_batch(tmp_path, reference, w
     r0, r1 = run_workers(W.train_dp, tmp_path, args=(STEPS, wrap_kw))
     assert torch.equal(r0["params"], r1["params"])  # ranks bit-identical
     torch.testing.assert_close(r0["params"], reference, rtol=1e-2, atol=2e-3)  # fp16 tolerance
-    fp16_bytes = sum(p.numel() for p in W.mlp().parameters()) * 2
-    expected = fp16_bytes * (2 if wrap_kw.get("allreduce_dtype") == torch.float32 else 1)
+    numel = sum(p.numel() for p in W.mlp().parameters())
+    # fp32 on the wire when asked for, and for fp32_accumulate's small buckets (under 64K elements)
+    wide = wrap_kw.get("allreduce_dtype") == torch.float32 or wrap_kw.get("strategy") == "fp32_accumulate"
+    wire, expected = ("float32", numel * 4) if wide else ("float16", numel * 2)
     assert all(s["allreduce_bytes"] == expected for s in r0["stats"])
-    wire = "float32" if wrap_kw.get("allreduce_dtype") == torch.float32 else "float16"
     assert r0["stats"][0]["allreduce_bytes_by_dtype"] == {wire: expected}
 
 
@@ -101,8 +102,9 @@ def test_sixteen_bit_sum_overflow_and_its_remedies(tmp_path, wrap_kw, expected):
 
 
 @slow
-def test_fp32_accumulate_is_exact_on_odd_sizes(tmp_path):
-    r0, r1 = run_workers(W.fp32_accumulate_exact, tmp_path, args=(3, [7, 1, 16, 5]))
+@pytest.mark.parametrize("small_numel", [0, 1 << 16], ids=["point-to-point", "small-bucket-fp32"])
+def test_fp32_accumulate_is_exact_on_odd_sizes(tmp_path, small_numel):
+    r0, r1 = run_workers(W.fp32_accumulate_exact, tmp_path, args=(3, [7, 1, 16, 5], small_numel))
     for r in (r0, r1):
         for got, expected in zip(r["got"], r["expected"]):
             assert torch.equal(got, expected)

@@ -1,43 +1,84 @@
-"""Gradient-sync benchmark: fp32 vs 16-bit allreduce, and mpfp16's fp32-accumulate strategy.
+"""The bandwidth study: fp16 vs fp32 gradient allreduce, from one collective to a training step.
 
 Run under torchrun (gloo on CPU, NCCL on GPU):
 
-    torchrun --nproc_per_node 2 -m mpfp16.bench.allreduce --numel 25M
+    torchrun --nproc_per_node 2 -m mpfp16.bench.allreduce --sizes 4K,1M,16M,100M --json sweep.json --plot sweep.png
+    torchrun --nproc_per_node 2 -m mpfp16.bench.allreduce --model resnet18 --accum 4
 
-Every method averages the same number of gradient elements. The methods run
-alternately, one iteration each per round, so that drift of a shared machine hits
-them all alike; each iteration is timed between barriers and the slowest rank's time
-counts. The table gives medians and each method's ratio to the fp32 allreduce.
+Collective sweep (default). For each size, every type averages the same number of
+elements, count = size / 4: the fp32 message is ``size`` bytes and a 16-bit one half
+of it. Types: ``fp32``, ``fp16``, ``bf16`` (one ``all_reduce`` each) and, with
+``--strategies`` including ``fp32_accumulate``, ``fp16+acc32`` and ``bf16+acc32``
+(mpfp16's 16-bit wire with fp32 sums). The types run alternately, one iteration
+each per round, after ``--warmup`` rounds; each iteration is timed between barriers
+and the slowest rank's time counts; the table gives the median. As in nccl-tests
+(doc/PERFORMANCE.md): algbw = bytes / time; busbw = algbw * 2(n-1)/n for an
+allreduce, the rate each rank's link must sustain, comparable across world sizes.
+
+Training-step view (``--model``). The gradients of a real torchvision model, synced
+by DDP with mpfp16's hooks, in four set-ups: an fp32 model; an fp16 model with the
+fp16 allreduce; fp16 with an fp32 allreduce; fp16 with the fp32-accumulate strategy.
+Each runs ``--accum`` micro-batches per optimizer step, once with an allreduce on
+every micro-batch and once with ``no_sync`` on all but the last; a one-process
+baseline (rank 0 alone, the others idle) gives the compute-only rate. The table
+reports per-rank micro-batches per second, bytes and allreduce calls per optimizer
+step, the time communication was in flight, and the part of it backward did not
+hide (exposed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from .. import comm
 from .. import distributed as mdist
 
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def parse_count(text: str) -> int:
-    """'25M' -> 26214400, '4K' -> 4096, '1000' -> 1000 (binary suffixes, as nccl-tests)."""
+def parse_size(text: str) -> int:
+    """'4K' -> 4096, '1M' -> 1048576, '100' -> 100 (binary suffixes, as nccl-tests)."""
     text = text.strip().upper()
     mult = SUFFIXES.get(text[-1:], 1)
     digits = text[:-1] if text[-1:] in SUFFIXES else text
     try:
         value = float(digits) * mult
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a count: {text!r} (use e.g. 4096, 64K, 25M)") from None
-    if value < 1 or value != int(value):
-        raise argparse.ArgumentTypeError(f"not a positive whole count: {text!r}")
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 4096, 64K, 25M, 1G)") from None
+    if value < 4 or value != int(value):
+        raise argparse.ArgumentTypeError(f"a size must be a whole number of bytes >= 4, got {text!r}")
     return int(value)
+
+
+def parse_list(choices):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)}")
+        return items
+    return parse
+
+
+def busbw_factor(world_size: int) -> float:
+    """nccl-tests' allreduce bus-bandwidth factor, 2(n-1)/n: a ring allreduce moves
+    each byte over 2(n-1) links while n ranks share the work."""
+    return 2.0 * (world_size - 1) / world_size
+
+
+def bandwidths(size_bytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes per second)."""
+    algbw = size_bytes / seconds / 1e9
+    return algbw, algbw * busbw_factor(world_size)
 
 
 def timed(fn, device: torch.device) -> float:
@@ -49,70 +90,273 @@ def timed(fn, device: torch.device) -> float:
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 
 
-def strategy_methods(numel: int, device: torch.device) -> dict:
-    """name -> (callable that averages `numel` gradient elements, its wire dtype)."""
-    g = torch.Generator(device="cpu").manual_seed(dist.get_rank())
-    base = torch.randn(numel, generator=g).to(device)
-    bufs = {dt: base.to(dt) for dt in (torch.float32, torch.float16, torch.bfloat16)}
-    world = dist.get_world_size()
+# ----------------------------------------------------------------- collective sweep
+
+
+def sweep_methods(count: int, dtypes: list[str], strategies: list[str], device: torch.device) -> dict:
+    """type name -> (function averaging `count` elements, wire dtype)."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    base = torch.randn(count, generator=g).to(device)
     state = comm.HookState()
-
-    def allreduce(dtype):
-        def run():
-            dist.all_reduce(bufs[dtype])
-            bufs[dtype].div_(world)
-        return run
-
-    return {
-        "fp32 allreduce": (allreduce(torch.float32), torch.float32),
-        "fp16 allreduce": (allreduce(torch.float16), torch.float16),
-        "bf16 allreduce": (allreduce(torch.bfloat16), torch.bfloat16),
-        "fp16 fp32-accumulate": (lambda: comm._fp32_accumulate(state, bufs[torch.float16]), torch.float16),
-    }
+    methods = {}
+    for name in dtypes:
+        buf = base.to(DTYPES[name])
+        if "allreduce" in strategies or name == "fp32":
+            methods[name] = ((lambda b: lambda: dist.all_reduce(b))(buf), DTYPES[name])
+        if "fp32_accumulate" in strategies and name != "fp32":
+            methods[f"{name}+acc32"] = ((lambda b: lambda: comm.average_fp32_accumulate(state, b))(buf.clone()),
+                                        DTYPES[name])
+    return methods
 
 
-def compare(methods: dict, iters: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
-    times = {name: [] for name in methods}
-    for i in range(warmup + iters):
-        for name, (fn, _) in methods.items():
-            t = timed(fn, device)
-            if i >= warmup:
-                times[name].append(t)
-    return times
+def sweep(sizes: list[int], dtypes: list[str], strategies: list[str], iters: int, warmup: int,
+          device: torch.device) -> list[dict]:
+    world = dist.get_world_size()
+    rows = []
+    for size in sizes:
+        count = size // 4
+        methods = sweep_methods(count, dtypes, strategies, device)
+        times = {name: [] for name in methods}
+        for i in range(warmup + iters):
+            for name, (fn, _) in methods.items():
+                t = timed(fn, device)
+                if i >= warmup:
+                    times[name].append(t)
+        for name, (_, wire) in methods.items():
+            seconds = statistics.median(times[name])
+            nbytes = count * wire.itemsize
+            algbw, busbw = bandwidths(nbytes, seconds, world)
+            rows.append({"size_bytes": nbytes, "count": count, "dtype": name, "time_us": seconds * 1e6,
+                         "algbw_gbps": algbw, "busbw_gbps": busbw})
+        del methods
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """nccl-tests-like table, then each type's time relative to fp32 at equal count."""
+    lines = [f"{'size':>12} {'count':>12} {'type':>10} {'time_us':>11} {'algbw':>8} {'busbw':>8}   {'vs fp32':>7}"]
+    fp32 = {r["count"]: r["time_us"] for r in rows if r["dtype"] == "fp32"}
+    for r in rows:
+        ratio = f"{r['time_us'] / fp32[r['count']]:7.2f}" if r["count"] in fp32 else "      -"
+        lines.append(f"{r['size_bytes']:>12} {r['count']:>12} {r['dtype']:>10} {r['time_us']:>11.1f} "
+                     f"{r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f}   {ratio}")
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: list[dict], path: str, title: str) -> None:
+    """Left: bus bandwidth against message size, per type. Right: time relative to the
+    fp32 allreduce of the same number of elements (below 1: the type pays)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fp32 = {r["count"]: r["time_us"] for r in rows if r["dtype"] == "fp32"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, name in enumerate(dict.fromkeys(r["dtype"] for r in rows)):
+        mine = [r for r in rows if r["dtype"] == name]
+        style = {"marker": "o", "label": name, "color": f"C{i}"}
+        left.plot([r["size_bytes"] for r in mine], [r["busbw_gbps"] for r in mine], **style)
+        if name != "fp32":
+            pts = [(r["count"], r["time_us"] / fp32[r["count"]]) for r in mine if r["count"] in fp32]
+            right.plot(*zip(*pts), **style)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_xlabel("message size (bytes)")
+    left.set_ylabel("bus bandwidth (GB/s)")
+    left.set_title(title)
+    right.axhline(1.0, color="gray", lw=1)
+    right.axhline(0.5, color="gray", lw=1, ls=":")
+    right.set_xlabel("elements")
+    right.set_ylabel("time / fp32 time, same elements")
+    right.set_title("16-bit vs fp32 (dotted: half the bytes)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------- training-step view
+
+SETUPS = [  # name, model precision, wrap() arguments
+    ("fp32 model", "fp32", {}),
+    ("fp16, fp16 allreduce", "fp16", {}),
+    ("fp16, fp32 allreduce", "fp16", {"allreduce_dtype": torch.float32}),
+    ("fp16, fp32-accumulate", "fp16", {"strategy": "fp32_accumulate"}),
+]
+
+
+def _build(model_name: str, precision: str, device: torch.device, num_classes: int, init_scale: float = 2.0**16):
+    import torchvision
+
+    from ..convert import to_half
+    from ..optimizer import FP16Optimizer
+    from ..scaler import DynamicLossScaler
+
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(model_name, weights=None, num_classes=num_classes).to(device)
+    if precision == "fp16":
+        to_half(model)
+    scaler = DynamicLossScaler(init_scale=init_scale) if precision == "fp16" else None
+    opt = FP16Optimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), loss_scale=scaler)
+    return model, opt
+
+
+def _steps(net, opt, batch, accum: int, steps: int, sync_every_micro: bool, stats) -> tuple[float, list[dict]]:
+    """Run `steps` optimizer steps of `accum` micro-batches; return seconds and per-step comm figures."""
+    images, labels = batch
+    per_step = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad()
+        for micro in range(accum):
+            with mdist.sync_gradients(net, sync_every_micro or micro == accum - 1):
+                opt.backward(nn.functional.cross_entropy(net(images), labels) / accum)
+        opt.step()
+        if stats is not None:
+            per_step.append(stats.pop_step())
+    return time.perf_counter() - start, per_step
+
+
+def _warm_up(net, opt, batch, accum: int, sync_every_micro: bool, stats) -> None:
+    """Steps until one is not skipped: the dynamic loss scale settles (a random-init
+    ResNet-50 at batch 4 needs about 32) before anything is timed."""
+    for _ in range(25):
+        skipped = opt.skipped_steps
+        _steps(net, opt, batch, accum, 1, sync_every_micro, stats)
+        if opt.skipped_steps == skipped:
+            return
+
+
+def model_view(args, info: mdist.DistInfo) -> list[dict]:
+    device, world = info.device, info.world_size
+    g = torch.Generator().manual_seed(info.rank)
+    batch = (torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g).to(device),
+             torch.randint(0, 10, (args.batch_size,), generator=g).to(device))
+    rows = []
+    for name, precision, wrap_kw in SETUPS:
+        micro = args.accum * args.steps
+        # One process: rank 0 alone (its overflow decisions must not wait for the
+        # others), while the other ranks wait at the broadcast.
+        single = torch.zeros(2, dtype=torch.float64, device=device)  # rate, the loss scale it settled on
+        if info.rank == 0:
+            model, opt = _build(args.model, precision, device, 10)
+            opt.reduce_overflow = False
+            _warm_up(model, opt, batch, args.accum, True, None)
+            seconds, _ = _steps(model, opt, batch, args.accum, args.steps, True, None)
+            single[0], single[1] = micro / seconds, opt.loss_scale
+            del model, opt
+        dist.broadcast(single, src=0)
+        # The same on every rank, starting from the settled scale.
+        model, opt = _build(args.model, precision, device, 10, init_scale=float(single[1]))
+        ddp = mdist.wrap(model, bucket_mb=args.bucket_mb, **wrap_kw)
+        stats = mdist.comm_stats(ddp)
+        rows.append({"setup": name, "processes": 1, "no_sync": None, "its_per_s": float(single[0]),
+                     "bytes_per_step": 0, "calls_per_step": 0, "comm_ms": 0.0, "exposed_ms": 0.0, "skipped": None})
+        for no_sync in (False, True):
+            _warm_up(ddp, opt, batch, args.accum, not no_sync, stats)
+            dist.barrier()
+            skipped = opt.skipped_steps
+            seconds, per_step = _steps(ddp, opt, batch, args.accum, args.steps, not no_sync, stats)
+            rate = torch.tensor([micro / seconds], dtype=torch.float64, device=device)
+            dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # the slowest rank sets the pace
+            rows.append({
+                "setup": name, "processes": world, "no_sync": no_sync, "its_per_s": float(rate),
+                "bytes_per_step": statistics.median(s["allreduce_bytes"] for s in per_step),
+                "calls_per_step": statistics.median(s["allreduce_calls"] for s in per_step),
+                "comm_ms": 1e3 * statistics.median(s["allreduce_time_s"] for s in per_step),
+                "exposed_ms": 1e3 * statistics.median(s["allreduce_wait_s"] for s in per_step),
+                "skipped": opt.skipped_steps - skipped,
+            })
+        del ddp, model, opt
+    return rows
+
+
+def model_table(rows: list[dict]) -> str:
+    lines = [f"{'setup':<24}{'procs':>6}{'no_sync':>9}{'it/s/rank':>11}{'MB/step':>10}{'calls':>7}"
+             f"{'comm_ms':>9}{'exposed_ms':>11}{'skipped':>9}"]
+    for r in rows:
+        ns = "-" if r["no_sync"] is None else ("yes" if r["no_sync"] else "no")
+        skipped = "-" if r["skipped"] is None else str(r["skipped"])
+        lines.append(f"{r['setup']:<24}{r['processes']:>6}{ns:>9}{r['its_per_s']:>11.2f}"
+                     f"{r['bytes_per_step'] / 1e6:>10.2f}{r['calls_per_step']:>7.0f}{r['comm_ms']:>9.1f}"
+                     f"{r['exposed_ms']:>11.1f}{skipped:>9}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=lambda t: [parse_size(s) for s in t.split(",")],
+                   default="4K,64K,1M,4M,16M,64M,128M",
+                   help="fp32 message sizes, K/M/G binary suffixes (default: 4K,64K,1M,4M,16M,64M,128M)")
+    p.add_argument("--dtypes", type=parse_list(list(DTYPES)), default="fp32,fp16,bf16",
+                   help="types to compare (default: fp32,fp16,bf16)")
+    p.add_argument("--strategies", type=parse_list(list(comm.STRATEGIES)), default="allreduce,fp32_accumulate",
+                   help="16-bit strategies (default: allreduce,fp32_accumulate)")
+    p.add_argument("--iters", type=int, default=10, help="timed rounds (default: 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON (default: none)")
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="plot busbw against size (default: none)")
+    g = p.add_argument_group("training-step view")
+    g.add_argument("--model", default=None, help="a torchvision model name: measure its training steps "
+                                                 "instead of the sweep (default: none)")
+    g.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step (default: 4)")
+    g.add_argument("--steps", type=int, default=3, help="timed optimizer steps per set-up (default: 3)")
+    g.add_argument("--batch-size", type=int, default=8, help="images per micro-batch (default: 8)")
+    g.add_argument("--image-size", type=int, default=64, help="image side (default: 64)")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (default: 25)")
+    p.add_argument("--dist-backend", choices=mdist.BACKENDS, default=None,
+                   help="process group backend (default: nccl on GPU, gloo on CPU)")
+    return p
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--numel", type=parse_count, default=parse_count("25M"),
-                        help="gradient elements to average (default: 25M)")
-    parser.add_argument("--iters", type=int, default=10, help="timed rounds (default: 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
-    parser.add_argument("--dist-backend", choices=mdist.BACKENDS, default=None,
-                        help="process group backend (default: nccl on GPU, gloo on CPU)")
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
+    for name in ("iters", "accum", "steps", "batch_size", "image_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be 0 or more")
+    if args.model is not None:
+        from ..models import imagenet_arch_names
+
+        if args.model not in imagenet_arch_names():
+            parser.error(f"unknown torchvision model {args.model!r}")
     info = mdist.init(backend=args.dist_backend)
-    if not info.distributed:
-        print("error: run this under torchrun, e.g. torchrun --nproc_per_node 2 -m mpfp16.bench.allreduce",
-              file=sys.stderr)
+    if not info.distributed or info.world_size < 2:
+        print("error: run this under torchrun with 2 or more processes, e.g. "
+              "torchrun --nproc_per_node 2 -m mpfp16.bench.allreduce", file=sys.stderr)
+        mdist.teardown()
         return 2
     try:
-        methods = strategy_methods(args.numel, info.device)
-        times = compare(methods, args.iters, args.warmup, info.device)
+        header = f"# {info.world_size} ranks, backend {info.backend}, device {info.device.type}"
+        if args.model is None:
+            rows = sweep(args.sizes, args.dtypes, args.strategies, args.iters, args.warmup, info.device)
+            text = sweep_table(rows)
+            header += f", median of {args.iters} rounds (slowest rank), count = size / 4 for every type"
+        else:
+            rows = model_view(args, info)
+            text = model_table(rows)
+            header += (f", {args.model}, batch {args.batch_size} at {args.image_size}px, "
+                       f"{args.accum} micro-batches per step, median of {args.steps} steps")
         if info.is_main_process:
-            print(f"# {info.world_size} ranks, backend {info.backend}, {args.numel:,} elements, "
-                  f"median of {args.iters} rounds (slowest rank)")
-            ref = statistics.median(times["fp32 allreduce"])
-            print(f"{'method':<24}{'wire':>10}{'time_ms':>10}{'vs fp32':>9}")
-            for name, (_, wire) in methods.items():
-                t = statistics.median(times[name])
-                print(f"{name:<24}{comm.dtype_name(wire):>10}{t * 1e3:>10.1f}{t / ref:>9.2f}")
+            print(header)
+            print(text)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"world_size": info.world_size, "backend": info.backend, "rows": rows}, f, indent=1)
+            if args.plot and args.model is None:
+                plot_sweep(rows, args.plot, f"allreduce, {info.world_size} ranks, {info.backend}")
     finally:
         mdist.teardown()
     return 0

@@ -1,0 +1,84 @@
+"""The bandwidth tool: its arithmetic, and that it runs (no timings are asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist_helpers import free_port
+from mpfp16.bench import allreduce as bench
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("text,value", [("4K", 4096), ("1M", 1 << 20), ("2G", 2 << 30), ("100", 100),
+                                        ("1.5K", 1536)])
+def test_sizes_parse_with_binary_suffixes(text, value):
+    assert bench.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "1.3", "-4K", "3"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(Exception, match="size"):
+        bench.parse_size(text)
+
+
+@pytest.mark.parametrize("world,factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
+def test_busbw_factor_is_nccl_tests(world, factor):
+    assert bench.busbw_factor(world) == factor
+
+
+def test_bandwidths():
+    algbw, busbw = bench.bandwidths(4_000_000_000, 2.0, 8)
+    assert algbw == 2.0 and busbw == 3.5
+
+
+def torchrun(args, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "mpfp16.bench.allreduce", *args]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))
+
+
+@pytest.mark.slow
+def test_sweep_runs_and_its_rows_are_consistent(tmp_path):
+    proc = torchrun(["--sizes", "4K,256K", "--iters", "2", "--warmup", "1", "--json", "rows.json",
+                     "--plot", "rows.png"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "rows.json").read_text())
+    rows = data["rows"]
+    assert {r["dtype"] for r in rows} == {"fp32", "fp16", "bf16", "fp16+acc32", "bf16+acc32"}
+    for r in rows:
+        assert set(r) == {"size_bytes", "count", "dtype", "time_us", "algbw_gbps", "busbw_gbps"}
+        assert r["count"] in (1024, 65536)
+        assert r["size_bytes"] == r["count"] * (4 if r["dtype"] == "fp32" else 2)
+        assert r["algbw_gbps"] == pytest.approx(r["size_bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 * (2 - 1) / 2)
+    assert (tmp_path / "rows.png").stat().st_size > 1000
+    assert "vs fp32" in proc.stdout and "busbw" in proc.stdout
+
+
+@pytest.mark.slow
+def test_training_step_view_runs(tmp_path):
+    proc = torchrun(["--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "4", "--accum", "2",
+                     "--steps", "1", "--json", "model.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "model.json").read_text())["rows"]
+    assert len(rows) == 12  # 4 set-ups x (1 process, 2 processes, 2 processes with no_sync)
+    by = {(r["setup"], r["processes"], r["no_sync"]): r for r in rows}
+    for setup in ("fp32 model", "fp16, fp16 allreduce", "fp16, fp32 allreduce", "fp16, fp32-accumulate"):
+        every, once = by[(setup, 2, False)], by[(setup, 2, True)]
+        assert every["calls_per_step"] == 2 * once["calls_per_step"]  # accum 2: no_sync halves the calls
+        assert every["bytes_per_step"] == 2 * once["bytes_per_step"]
+        assert 0 <= once["exposed_ms"] <= once["comm_ms"] + 1e-9
+    # squeezenet has no normalization layer: every fp16 gradient is half its fp32 size
+    assert by[("fp32 model", 2, True)]["bytes_per_step"] == 2 * by[("fp16, fp16 allreduce", 2, True)]["bytes_per_step"]
+    assert by[("fp16, fp32 allreduce", 2, True)]["bytes_per_step"] == by[("fp32 model", 2, True)]["bytes_per_step"]
+
+
+def test_refuses_to_run_alone(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert bench.main(["--sizes", "4K"]) == 2
+    assert "torchrun" in capsys.readouterr().err
