@@ -187,6 +187,9 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                    help="'dynamic' or a static scale; fp16 only (default: dynamic)")
     g.add_argument("--max-grad-norm", type=_positive_float, default=None,
                    help="clip the global norm of the unscaled gradients (default: no clipping)")
+    g.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
+                   help="the compiled one-pass optimizer step: auto uses it for SGD/Adam/AdamW from 1M "
+                        "parameters (default: auto)")
 
     g = p.add_argument_group("distributed")
     g.add_argument("--allreduce-dtype", choices=["fp16", "bf16", "fp32"], default=None,

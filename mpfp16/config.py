@@ -43,6 +43,7 @@ class TrainConfig:
     master_weights: bool = True
     loss_scale: str | float = "dynamic"
     max_grad_norm: float | None = None
+    fused: str = "auto"  # auto | on | off
     # distributed
     allreduce_dtype: str | None = None
     allreduce_strategy: str = "allreduce"

@@ -166,8 +166,13 @@ class Trainer:
         except ValueError as exc:  # e.g. Nesterov without momentum
             raise UserError(f"optimizer settings: {exc}") from None
         loss_scale = None if cfg.precision != "fp16" else cfg.loss_scale
-        return FP16Optimizer(inner, loss_scale=loss_scale, master_weights=cfg.master_weights,
-                             max_grad_norm=cfg.max_grad_norm, model=self.model, track_grad_norm=True)
+        fused = {"auto": None, "on": True, "off": False}[cfg.fused]
+        try:
+            return FP16Optimizer(inner, loss_scale=loss_scale, master_weights=cfg.master_weights,
+                                 max_grad_norm=cfg.max_grad_norm, model=self.model, track_grad_norm=True,
+                                 fused=fused)
+        except ValueError as exc:  # --fused on with an optimizer it cannot fuse
+            raise UserError(str(exc)) from None
 
     def _wrap(self) -> nn.Module:
         if not self.info.distributed:

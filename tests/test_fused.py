@@ -1,0 +1,221 @@
+"""The fused step (mpfp16/fused.py): the same floating-point operations as torch.optim,
+in one compiled kernel per flat segment."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mpfp16
+from mpfp16 import fused as F
+from reference import ReferenceTrainer, assert_same_params, batches, make_inner, tiny_mlp, train_mpfp16, train_reference
+
+T = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(0)
+    n = 4099  # not a multiple of the vector width: the tail loop too
+    return torch.randn(n, generator=g), torch.randn(n, generator=g), torch.rand(n, generator=g) + 0.5
+
+
+def test_helpers_match_the_eager_cpu_kernels(data):
+    a, b, c = data
+    k = torch.compile(lambda a, b, c, x, w: (F.add_alpha(a, b, x), F.addcmul(a, b, c, x), F.addcdiv(a, b, c, x),
+                                             F.lerp(a, b, w)))
+    for x, w in [(0.1, 0.1), (-0.001, 0.9), (3.7, 0.5)]:
+        got = k(a, b, c, T(x), T(w))
+        expected = (torch.add(a, b, alpha=x), torch.addcmul(a, b, c, value=x), torch.addcdiv(a, b, c, value=x),
+                    torch.lerp(a, b, w))
+        for name, g, e in zip(("add", "addcmul", "addcdiv", "lerp"), got, expected):
+            assert torch.equal(g, e), f"{name} x={x} w={w}"
+
+
+SGD_VARIANTS = [
+    dict(momentum=0.9, weight_decay=1e-4),
+    dict(momentum=0.9, nesterov=True, weight_decay=1e-4),
+    dict(momentum=0.9, dampening=0.1, maximize=True),
+    dict(momentum=0.0, weight_decay=1e-3),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("master_weights", [True, False])
+@pytest.mark.parametrize("kw", SGD_VARIANTS, ids=["momentum", "nesterov", "dampening-maximize", "plain"])
+def test_fused_sgd_is_bit_identical_to_torch(kw, master_weights, dtype):
+    model, ref_model = mpfp16.to_half(tiny_mlp(0), dtype), mpfp16.to_half(tiny_mlp(0), dtype)
+    scale = 512.0 if dtype == torch.float16 else None
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, **kw), loss_scale=scale,
+                               master_weights=master_weights, fused=True)
+    ref = ReferenceTrainer(ref_model, "sgd", scale=scale or 1.0, master_weights=master_weights)
+    ref.opt = torch.optim.SGD(ref.masters, lr=0.05, **kw)
+    for x, y in batches(5):
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(model(x), y))
+        assert opt.step()
+        ref.backward(nn.functional.cross_entropy(ref_model(x), y))
+        ref.step()
+    assert opt.fused
+    assert_same_params(model, ref_model)
+    if kw["momentum"]:
+        for mine, theirs in zip(opt._stepped, ref.masters):
+            assert torch.equal(opt.state[mine]["momentum_buffer"], ref.opt.state[theirs]["momentum_buffer"])
+
+
+def adam_by_hand(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, decoupled, sqrt):
+    """torch's single-tensor Adam, op for op, with the square root given."""
+    beta1, beta2 = betas
+    if weight_decay:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    denom = (sqrt(exp_avg_sq) / (1 - beta2**step) ** 0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["adam", "adamw"])
+def test_fused_adam_differs_from_torch_only_by_the_rounding_of_sqrt(decoupled):
+    """torch's CPU sqrt kernel is accurate to about 1 ulp but not correctly rounded;
+    the compiled kernel's is. With a correctly rounded sqrt in torch's own sequence of
+    operations, the fused kernel is bit-identical; with torch's sqrt, the moments are
+    identical and the parameters differ in the last bits."""
+    g = torch.Generator().manual_seed(1)
+    n = 10_007
+    p0 = torch.randn(n, generator=g) * 0.1
+    grads = [(torch.randn(n, generator=g) * 256).half() for _ in range(3)]
+    hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+    weights, master = p0.half(), p0.clone()
+    m, v = torch.zeros(n), torch.zeros(n)
+    exact = dict(p=p0.clone(), m=torch.zeros(n), v=torch.zeros(n))
+    eager = dict(p=p0.clone(), m=torch.zeros(n), v=torch.zeros(n))
+    torch_p = nn.Parameter(p0.clone())
+    torch_opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([torch_p], **hyper)
+    kernel = F.compiled(F.adam_update, has_master=True, has_weight_decay=True, decoupled=decoupled, maximize=False)
+    correctly_rounded = lambda t: t.double().sqrt().float()  # noqa: E731
+    for step, g16 in enumerate(grads, start=1):
+        grad = g16.float() * T(1 / 256)
+        lr, (b1, b2), wd, eps = hyper["lr"], hyper["betas"], hyper["weight_decay"], hyper["eps"]
+        kernel(weights, g16, master, m, v, T(1 / 256), T(1.0), T(wd), T(1 - lr * wd), T(1 - b1), T(b2), T(1 - b2),
+               T((1 - b2**step) ** 0.5), T(eps), T(-lr / (1 - b1**step)))
+        adam_by_hand(exact["p"], grad, exact["m"], exact["v"], step, lr, (b1, b2), eps, wd, decoupled, correctly_rounded)
+        adam_by_hand(eager["p"], grad, eager["m"], eager["v"], step, lr, (b1, b2), eps, wd, decoupled, torch.sqrt)
+        torch_p.grad = grad
+        torch_opt.step()
+        assert torch.equal(master, exact["p"]) and torch.equal(m, exact["m"]) and torch.equal(v, exact["v"])
+        assert torch.equal(eager["p"], torch_p.detach())  # the by-hand sequence is torch's
+        assert torch.equal(m, torch_opt.state[torch_p]["exp_avg"])
+        assert torch.equal(v, torch_opt.state[torch_p]["exp_avg_sq"])
+        torch.testing.assert_close(master, torch_p.detach(), rtol=1e-6, atol=1e-8)  # updates are ~1e-2
+    assert torch.equal(weights, master.half())
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_fused_adam_training_follows_the_reference(kind):
+    model, ref_model = mpfp16.to_half(tiny_mlp(0)), mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), loss_scale=256.0, fused=True)
+    data = batches(5)
+    train_mpfp16(model, opt, data)
+    ref = train_reference(ref_model, kind, data, scale=256.0)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3 if p.dtype == torch.float16 else 1e-5, atol=1e-6)
+    steps = {float(s["step"]) for s in opt.state.values()}
+    assert steps == {5.0} and steps == {float(s["step"]) for s in ref.opt.state.values()}
+
+
+def test_fused_clipping_is_clip_grad_norm_up_to_fp32_rounding():
+    model, ref_model = mpfp16.to_half(tiny_mlp(0)), mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=128.0, max_grad_norm=0.05,
+                               fused=True)
+    ref = ReferenceTrainer(ref_model, "sgd", scale=128.0, max_grad_norm=0.05)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    ref.backward(nn.functional.cross_entropy(ref_model(x), y))
+    expected_norm = torch.nn.utils.get_total_norm([p.grad.float() / 128 for p in ref_model.parameters()])
+    opt.step()
+    ref.step()
+    assert opt.last_grad_norm == pytest.approx(float(expected_norm), rel=1e-6) and opt.last_grad_norm > 0.05
+    for mine, theirs in zip(opt._stepped, ref.masters):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-9)
+
+
+def test_a_skipped_fused_step_changes_nothing():
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(make_inner("adam", model.parameters()), fused=True)
+    train_mpfp16(model, opt, batches(2))
+    before = [t.clone() for s in opt.state.values() for t in s.values()] + [p.detach().clone() for p in model.parameters()]
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    model[0].weight.grad[0, 0] = float("nan")
+    assert opt.step() is False
+    after = [t.clone() for s in opt.state.values() for t in s.values()] + [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("first_fused", [True, False])
+def test_state_dicts_move_between_fused_and_unfused(first_fused):
+    """The fused path keeps torch's per-parameter state format: a checkpoint from
+    either path resumes on the other, bit-identically (SGD)."""
+    data = batches(6)
+
+    def fresh(fused):
+        model = mpfp16.to_half(tiny_mlp(0))
+        return model, mpfp16.FP16Optimizer(make_inner("nesterov", model.parameters()), loss_scale=64.0, fused=fused)
+
+    straight, s_opt = fresh(first_fused)
+    train_mpfp16(straight, s_opt, data)
+    model, opt = fresh(first_fused)
+    train_mpfp16(model, opt, data[:3])
+    model2, opt2 = fresh(not first_fused)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(opt.state_dict())
+    train_mpfp16(model2, opt2, data[3:])
+    assert_same_params(straight, model2)
+
+
+def test_no_fp32_gradient_buffer_with_the_fused_step():
+    model = mpfp16.to_half(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 16)))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_scale=8.0, fused=True)
+    opt.zero_grad()
+    opt.backward(model(torch.randn(4, 32)).float().mean())
+    assert opt.step()
+    assert opt.memory_bytes_per_param() == {"model_weights": 2.0, "model_grads": 2.0, "master_weights": 4.0,
+                                            "master_grads": 0.0, "optimizer_state": 4.0, "total": 12.0}
+
+
+def test_compile_failure_falls_back_with_one_log_line(monkeypatch, caplog):
+    def broken(fn, **static):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(F, "compiled", broken)
+    model, ref_model = mpfp16.to_half(tiny_mlp(0)), mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=64.0, fused=True)
+    data = batches(3)
+    with caplog.at_level(logging.WARNING, logger="mpfp16"):
+        train_mpfp16(model, opt, data)
+    train_reference(ref_model, "sgd", data, scale=64.0)
+    assert not opt.fused
+    assert [r.getMessage() for r in caplog.records].count(
+        "fused optimizer step unavailable (RuntimeError: no C++ compiler); using the unfused step") == 1
+    assert_same_params(model, ref_model)
+
+
+def test_which_optimizers_are_fused():
+    small = mpfp16.to_half(tiny_mlp(0))
+    assert not mpfp16.FP16Optimizer(torch.optim.SGD(small.parameters(), lr=0.1)).fused  # under 1M: no compile
+    big = mpfp16.to_half(nn.Linear(1024, 1024))
+    assert mpfp16.FP16Optimizer(torch.optim.SGD(big.parameters(), lr=0.1)).fused
+    for inner, reason in [(torch.optim.RMSprop(small.parameters()), "not SGD, Adam or AdamW"),
+                          (torch.optim.Adam(small.parameters(), amsgrad=True), "amsgrad"),
+                          (torch.optim.AdamW(small.parameters(), fused=True), "fused=True")]:
+        with pytest.raises(ValueError, match=reason):
+            mpfp16.FP16Optimizer(inner, fused=True)
+        assert not mpfp16.FP16Optimizer(type(inner)(small.parameters(), **{
+            k: v for k, v in inner.defaults.items() if k in ("amsgrad", "fused")})).fused
