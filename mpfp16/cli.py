@@ -183,6 +183,8 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                    help="weights and activations (default: fp16)")
     g.add_argument("--no-master-weights", dest="master_weights", action="store_false",
                    help="step the 16-bit weights directly, with no fp32 copy (default: fp32 masters)")
+    g.add_argument("--rounding", choices=["nearest", "stochastic", "kahan"], default="nearest",
+                   help="with --no-master-weights: how new weights are rounded to 16 bits (default: nearest)")
     g.add_argument("--loss-scale", type=_loss_scale, default="dynamic",
                    help="'dynamic' or a static scale; fp16 only (default: dynamic)")
     g.add_argument("--max-grad-norm", type=_positive_float, default=None,
@@ -236,6 +238,8 @@ def config_from_args(task: str, args: argparse.Namespace, parser: argparse.Argum
         parser.error(f"--loss-scale applies to fp16 only, not --precision {values['precision']}")
     if args.allreduce_strategy == "fp32_accumulate" and args.allreduce_dtype is not None:
         parser.error("--allreduce-strategy fp32_accumulate sends the parameters' own dtype; drop --allreduce-dtype")
+    if args.rounding != "nearest" and args.master_weights:
+        parser.error(f"--rounding {args.rounding} needs --no-master-weights")
     if args.evaluate and args.resume is None:
         parser.error("--evaluate needs --resume PATH (or auto)")
     if task == "cifar":

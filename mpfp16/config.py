@@ -41,6 +41,7 @@ class TrainConfig:
     # precision
     precision: str = "fp16"
     master_weights: bool = True
+    rounding: str = "nearest"  # without master weights: nearest | stochastic | kahan
     loss_scale: str | float = "dynamic"
     max_grad_norm: float | None = None
     fused: str = "auto"  # auto | on | off

@@ -170,7 +170,8 @@ class Trainer:
         try:
             return FP16Optimizer(inner, loss_scale=loss_scale, master_weights=cfg.master_weights,
                                  max_grad_norm=cfg.max_grad_norm, model=self.model, track_grad_norm=True,
-                                 fused=fused)
+                                 fused=fused, rounding=cfg.rounding if cfg.precision != "fp32" else "nearest",
+                                 rounding_seed=cfg.seed)
         except ValueError as exc:  # --fused on with an optimizer it cannot fuse
             raise UserError(str(exc)) from None
 

@@ -72,14 +72,56 @@ def lerp(a, b, weight):
     return torch.where(weight.abs() < 0.5, _fma(weight, diff, a), _fma(weight - 1, diff, b))
 
 
+ROUNDINGS = ("nearest", "stochastic", "kahan")
+
+
+def stochastic_round(x, noise, dtype):
+    """Round fp32 ``x`` to ``dtype`` (fp16 or bf16) up or down at random, with
+    probability proportional to the distance, so that E[result] = x: unbiased.
+
+    ``noise`` is uniform in [0, 1). The two candidates are the nearest 16-bit value
+    and its neighbour on the other side of ``x``, found by stepping its bit pattern
+    by one (16-bit floats are ordered like their bit patterns within a sign), which
+    also handles subnormals. Values that are exact, inf or NaN pass through.
+    """
+    r = x.to(dtype)
+    rf = r.float()
+    away = x.abs() > rf.abs()
+    bits = r.view(torch.int16)
+    other = torch.where(away, bits + 1, bits - 1).view(dtype).float()
+    lo, hi = torch.minimum(rf, other), torch.maximum(rf, other)
+    up = noise < (x - lo) / (hi - lo)
+    return torch.where((x != rf) & torch.isfinite(rf), torch.where(up, hi, lo), rf).to(dtype)
+
+
+def write_weights(weights, new, old, noise, comp, rounding: str) -> None:
+    """Store the fp32 result ``new`` into the 16-bit ``weights`` (whose value before
+    the step is ``old``, in fp32) with the given rounding.
+
+    ``kahan``: the 16-bit compensation buffer ``comp`` holds what the last rounding
+    lost; it is added back into this step's update before rounding, and replaced by
+    what this rounding loses (Kahan summation, as Zamirai et al. 2020 apply it to
+    16-bit weights).
+    """
+    if rounding == "stochastic":
+        weights.copy_(stochastic_round(new, noise, weights.dtype))
+    elif rounding == "kahan":
+        update = (new - old) - comp.float()
+        rounded = (old + update).to(weights.dtype)
+        comp.copy_(((rounded.float() - old) - update).to(comp.dtype))
+        weights.copy_(rounded)
+    else:
+        weights.copy_(new)
+
+
 def _unscaled(grad, inv_scale, clip_coef, maximize: bool):
     g = grad.float() * inv_scale * clip_coef
     return -g if maximize else g
 
 
-def sgd_update(weights, grad, master, momentum_buf, inv_scale, clip_coef, lr, weight_decay, momentum,
+def sgd_update(weights, grad, master, momentum_buf, noise, comp, inv_scale, clip_coef, lr, weight_decay, momentum,
                one_minus_dampening, *, has_master: bool, has_weight_decay: bool, has_momentum: bool,
-               first_step: bool, nesterov: bool, maximize: bool) -> None:
+               first_step: bool, nesterov: bool, maximize: bool, rounding: str) -> None:
     """torch.optim.SGD on one flat segment.
 
     ``weights`` is the model's buffer (16-bit or fp32); ``master`` the fp32 master or,
@@ -96,16 +138,16 @@ def sgd_update(weights, grad, master, momentum_buf, inv_scale, clip_coef, lr, we
     new = add_alpha(param, g, -lr)
     if has_master:
         master.copy_(new)
-    weights.copy_(new)
+    write_weights(weights, new, param, noise, comp, rounding)
 
 
-def adam_update(weights, grad, master, exp_avg, exp_avg_sq, inv_scale, clip_coef, weight_decay, decay_factor,
-                one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size, *,
-                has_master: bool, has_weight_decay: bool, decoupled: bool, maximize: bool) -> None:
+def adam_update(weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_scale, clip_coef, weight_decay,
+                decay_factor, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size, *,
+                has_master: bool, has_weight_decay: bool, decoupled: bool, maximize: bool, rounding: str) -> None:
     """torch.optim.Adam / AdamW (amsgrad off) on one flat segment; the step scalars
     (bias corrections, step size) are computed by the caller in Python doubles, as
     torch's single-tensor Adam does."""
-    param = master if has_master else weights.float()
+    old = param = master if has_master else weights.float()
     g = _unscaled(grad, inv_scale, clip_coef, maximize)
     if has_weight_decay:
         if decoupled:
@@ -120,7 +162,7 @@ def adam_update(weights, grad, master, exp_avg, exp_avg_sq, inv_scale, clip_coef
     exp_avg_sq.copy_(v)
     if has_master:
         master.copy_(new)
-    weights.copy_(new)
+    write_weights(weights, new, old, noise, comp, rounding)
 
 
 def grad_stats(grad, inv_scale, *, with_norm: bool):
@@ -145,21 +187,25 @@ def compiled(fn, **static):
     combination compiled, and calls run with ``fail_on_recompile_limit_hit`` so that
     an eager fallback is an error, never a silent change of numerics.
 
-    The on-disk caches of compiled graphs are off for these kernels: their keys
+    ``emulate_precision_casts`` keeps every cast to 16 bits a real rounding (by
+    default inductor may drop a cast down and back up, and stochastic rounding needs
+    the nearest 16-bit value). The on-disk caches of compiled graphs are off for
+    these kernels: their keys
     ignore the example sizes from which inductor decided how many threads a CPU loop
     uses, so a kernel first compiled on a small tensor (a test) came back
     single-threaded for ResNet-50 and made its AdamW step 1.5x slower.
     """
     key = (fn, tuple(sorted(static.items())))
     if key not in _COMPILED:
-        name = fn.__name__ + "".join(f"__{k}_{int(v)}" for k, v in key[1])
+        name = fn.__name__ + "".join(f"__{k}_{v if isinstance(v, str) else int(v)}" for k, v in key[1])
         code = fn.__code__.replace(co_name=name, co_qualname=name)
         variant = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
         kernel = torch.compile(variant, dynamic=True)
 
         def call(*args, _kernel=kernel, _static=static):
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
-                    torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+                    torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False,
+                                                 emulate_precision_casts=True), \
                     torch._functorch.config.patch(enable_autograd_cache=False):
                 return _kernel(*args, **_static)
 
@@ -202,10 +248,12 @@ class FusedUpdater:
     in its usual per-parameter form (each entry a view of a flat state buffer), so
     that ``state_dict()`` is the same whichever path stepped."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups, master_weights: bool) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, groups, master_weights: bool,
+                 rounding: str = "nearest") -> None:
         self.optimizer = optimizer
         self.groups = groups  # the _FlatGroup list
         self.master_weights = master_weights
+        self.rounding = rounding
         self.is_sgd = type(optimizer) is torch.optim.SGD
         self._flat_state: dict = {}  # (flat group index, state name) -> flat fp32 buffer
         self._steps: dict = {}  # (flat group index, param group index) -> Adam step counters
@@ -253,31 +301,36 @@ class FusedUpdater:
                     self._steps[(gi, segment.group_index)] = steps
         self._adopted = True
 
-    def step(self, inv_scale: torch.Tensor, clip_coef: torch.Tensor) -> None:
+    def step(self, inv_scale: torch.Tensor, clip_coef: torch.Tensor, noise: list) -> None:
+        """``noise``: per flat group, uniform [0, 1) values for stochastic rounding (or None)."""
         if not self._adopted:
             self._adopt()
         for gi, g in enumerate(self.groups):
             for segment in g.segments:
                 hyper = self.optimizer.param_groups[segment.group_index]
                 if self.is_sgd:
-                    self._sgd(gi, g, segment, hyper, inv_scale, clip_coef)
+                    self._sgd(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi])
                 else:
-                    self._adam(gi, g, segment, hyper, inv_scale, clip_coef)
+                    self._adam(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi])
 
-    def _slices(self, gi, g, segment, names):
+    def _rounding(self, g) -> str:
+        return self.rounding if g.half and not self.master_weights else "nearest"
+
+    def _slices(self, gi, g, segment, names, noise):
         s = slice(segment.start, segment.end)
         master = g.master[s] if g.has_master(self.master_weights) else None
-        return g.weights[s], g.grads[s], master, [self._flat_state[(gi, n)][s] for n in names]
+        extras = (noise[s] if noise is not None else None, g.comp[s] if g.comp is not None else None)
+        return g.weights[s], g.grads[s], master, [self._flat_state[(gi, n)][s] for n in names], extras
 
-    def _sgd(self, gi, g, segment, hyper, inv_scale, clip_coef) -> None:
+    def _sgd(self, gi, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
         dev = g.device
         momentum = hyper["momentum"]
         names = self._state_names(hyper)
         state = self.optimizer.state
         first = bool(names) and "momentum_buffer" not in state[g.master_views[segment.indices[0]]]
-        weights, grad, master, bufs = self._slices(gi, g, segment, names)
-        compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first))(
-            weights, grad, master, bufs[0] if bufs else None, inv_scale, clip_coef,
+        weights, grad, master, bufs, (noise, comp) = self._slices(gi, g, segment, names, noise)
+        compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, self._rounding(g)))(
+            weights, grad, master, bufs[0] if bufs else None, noise, comp, inv_scale, clip_coef,
             scalar(_value(hyper["lr"]), dev), scalar(hyper["weight_decay"], dev), scalar(momentum, dev),
             scalar(1 - hyper["dampening"], dev))
         if first:
@@ -285,7 +338,7 @@ class FusedUpdater:
             for i in segment.indices:
                 state[g.master_views[i]]["momentum_buffer"] = views[i]
 
-    def _adam(self, gi, g, segment, hyper, inv_scale, clip_coef) -> None:
+    def _adam(self, gi, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
         dev = g.device
         steps = self._steps[(gi, segment.group_index)]
         steps += 1
@@ -294,22 +347,24 @@ class FusedUpdater:
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         step_size = lr / bias_correction1
-        weights, grad, master, (exp_avg, exp_avg_sq) = self._slices(gi, g, segment, ("exp_avg", "exp_avg_sq"))
-        compiled(adam_update, **self._adam_flags(hyper, master is not None))(
-            weights, grad, master, exp_avg, exp_avg_sq, inv_scale, clip_coef, scalar(wd, dev),
+        weights, grad, master, (exp_avg, exp_avg_sq), (noise, comp) = self._slices(
+            gi, g, segment, ("exp_avg", "exp_avg_sq"), noise)
+        compiled(adam_update, **self._adam_flags(hyper, master is not None, self._rounding(g)))(
+            weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_scale, clip_coef, scalar(wd, dev),
             scalar(1 - lr * wd, dev), scalar(1 - beta1, dev), scalar(beta2, dev), scalar(1 - beta2, dev),
             scalar(bias_correction2**0.5, dev), scalar(eps, dev), scalar(-step_size, dev))
 
     @staticmethod
-    def _sgd_flags(hyper: dict, has_master: bool, first: bool) -> dict:
+    def _sgd_flags(hyper: dict, has_master: bool, first: bool, rounding: str) -> dict:
         return dict(has_master=has_master, has_weight_decay=hyper["weight_decay"] != 0,
                     has_momentum=hyper["momentum"] != 0, first_step=first, nesterov=bool(hyper["nesterov"]),
-                    maximize=bool(hyper["maximize"]))
+                    maximize=bool(hyper["maximize"]), rounding=rounding)
 
     @staticmethod
-    def _adam_flags(hyper: dict, has_master: bool) -> dict:
+    def _adam_flags(hyper: dict, has_master: bool, rounding: str) -> dict:
         return dict(has_master=has_master, has_weight_decay=hyper["weight_decay"] != 0,
-                    decoupled=bool(hyper.get("decoupled_weight_decay", False)), maximize=bool(hyper["maximize"]))
+                    decoupled=bool(hyper.get("decoupled_weight_decay", False)), maximize=bool(hyper["maximize"]),
+                    rounding=rounding)
 
     def memory_views(self) -> list[torch.Tensor]:
         return list(self._flat_state.values())
@@ -334,10 +389,14 @@ class FusedUpdater:
                 grad = torch.zeros(numel, dtype=dtype, device=dev)
                 master = torch.zeros(numel, device=dev) if g.has_master(self.master_weights) else None
                 bufs = [torch.zeros(numel, device=dev) for _ in range(2)]
+                rounding = self._rounding(g)
+                noise = torch.zeros(numel, device=dev) if rounding == "stochastic" else None
+                comp = torch.zeros(numel, dtype=dtype, device=dev) if rounding == "kahan" else None
                 if self.is_sgd:
                     for first in (True, False):
-                        compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first))(
-                            weights, grad, master, bufs[0], one, one, one, one, one, one)
+                        compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, rounding))(
+                            weights, grad, master, bufs[0], noise, comp, one, one, one, one, one, one)
                 else:
-                    compiled(adam_update, **self._adam_flags(hyper, master is not None))(
-                        weights, grad, master, bufs[0], bufs[1], one, one, one, one, one, one, one, one, one, one)
+                    compiled(adam_update, **self._adam_flags(hyper, master is not None, rounding))(
+                        weights, grad, master, bufs[0], bufs[1], noise, comp, one, one, one, one, one, one, one,
+                        one, one, one)

@@ -70,7 +70,8 @@ class _FlatGroup:
     weights, ``master`` and ``master_grads`` have memory only inside that path's step.
     """
 
-    def __init__(self, params: list[torch.Tensor], master_weights: bool, group_of: dict[int, int]) -> None:
+    def __init__(self, params: list[torch.Tensor], master_weights: bool, group_of: dict[int, int],
+                 kahan: bool = False) -> None:
         self.params = params
         self.dtype = params[0].dtype
         self.device = params[0].device
@@ -89,6 +90,8 @@ class _FlatGroup:
         self.data_ptrs = [p.data_ptr() for p in params]
         self.grad_ptrs = [g.data_ptr() for g in self.grad_views]
         self.segments = self._segments([group_of[id(p)] for p in params])
+        # Kahan rounding's 16-bit compensation: what the last rounding lost, per weight.
+        self.comp = self.layout.empty(self.dtype, self.device) if kahan and self.dtype in HALF_DTYPES else None
 
         # Without master weights the fp32 buffers exist only inside step().
         self.transient = self.half and not master_weights
@@ -187,6 +190,13 @@ class FP16Optimizer(torch.optim.Optimizer):
             parameters (compiling takes seconds); ``True``: always (an error if the
             inner optimizer is not supported); ``False``: never. If compiling fails,
             the step falls back to the unfused path with one log line.
+        rounding: how a new weight is rounded to 16 bits without master weights:
+            ``"nearest"`` (updates under half an ulp vanish), ``"stochastic"``
+            (unbiased: up or down at random, in proportion to the distance; seeded by
+            ``rounding_seed``, its generator state is in the state_dict) or
+            ``"kahan"`` (a 16-bit compensation buffer carries each rounding's error
+            into the next update; 2 more bytes per parameter). With master weights
+            only ``"nearest"`` applies.
 
     Gradients live in persistent flat buffers, so ``zero_grad()`` zeroes them in place
     (one fill per buffer) whatever ``set_to_none`` says, and a parameter that got no
@@ -206,6 +216,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         reduce_overflow: bool = True,
         fused: bool | None = None,
+        rounding: str = "nearest",
+        rounding_seed: int = 0,
     ) -> None:
         if isinstance(optimizer, FP16Optimizer):
             raise TypeError("the optimizer is already an FP16Optimizer; wrap the inner optimizer once")
@@ -213,6 +225,12 @@ class FP16Optimizer(torch.optim.Optimizer):
             raise TypeError(f"FP16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+        if rounding not in fused_mod.ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(fused_mod.ROUNDINGS)}, got {rounding!r}")
+        if rounding != "nearest" and master_weights:
+            raise ValueError(f"rounding={rounding!r} applies to 16-bit weights stepped directly: "
+                             "pass master_weights=False")
+        self.rounding = rounding
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         self.master_weights = bool(master_weights)
@@ -233,8 +251,11 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.scaler = self._make_scaler(loss_scale, params)
         numel = sum(g.layout.numel for g in self._groups)
         use_fused = fused if fused is not None else (reason is None and numel >= FUSED_MIN_NUMEL)
-        self._fused = fused_mod.FusedUpdater(optimizer, self._groups, self.master_weights) if use_fused else None
+        self._fused = (fused_mod.FusedUpdater(optimizer, self._groups, self.master_weights, rounding)
+                       if use_fused else None)
         self._fused_checked = False
+        self._rounding_rng = torch.Generator(device=self._groups[0].device)
+        self._rounding_rng.manual_seed(rounding_seed)
 
         # Replace each 16-bit parameter by its master in the inner optimizer.
         to_master = {id(p): m for g in self._groups for p, m in zip(g.params, g.master_views)}
@@ -307,7 +328,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for p in params:
             by_key[(p.device, p.dtype)].append(p)
-        return [_FlatGroup(ps, self.master_weights, group_of) for ps in by_key.values()]
+        return [_FlatGroup(ps, self.master_weights, group_of, kahan=self.rounding == "kahan")
+                for ps in by_key.values()]
 
     @staticmethod
     def _make_scaler(loss_scale, params) -> LossScaler:
@@ -411,7 +433,7 @@ class FP16Optimizer(torch.optim.Optimizer):
             self._skip()
             return False
         if fused:
-            self._fused.step(self._inv_scale(self._groups[0].device), self._clip_coef_from(stats[1]))
+            self._fused.step(self._inv_scale(self._groups[0].device), self._clip_coef_from(stats[1]), self._noise())
         else:
             self._clip_grads()
             for g in self._groups:
@@ -439,6 +461,12 @@ class FP16Optimizer(torch.optim.Optimizer):
                            type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
             self._fused = None
             return False
+
+    def _noise(self) -> list[torch.Tensor | None]:
+        """Uniform [0, 1) values for stochastic rounding, one per 16-bit weight, from the
+        optimizer's own seeded generator (the same on every rank)."""
+        return [torch.rand(g.layout.total, generator=self._rounding_rng, device=g.device)
+                if self.rounding == "stochastic" and g.half else None for g in self._groups]
 
     def _inv_scale(self, device: torch.device) -> torch.Tensor:
         # As GradScaler: the reciprocal in double, then rounded to fp32.
@@ -532,11 +560,16 @@ class FP16Optimizer(torch.optim.Optimizer):
             torch.nn.utils.clip_grads_with_norm_(self._stepped, self.max_grad_norm, self._last_grad_norm)
 
     def _copy_masters_to_model(self) -> None:
-        """Phase 5: round the fp32 masters into the 16-bit model, one copy per buffer."""
-        for g in self._groups:
-            if g.half:
+        """Phase 5: round the fp32 masters into the 16-bit model, one copy per buffer
+        (without master weights, with the chosen rounding)."""
+        for g, noise in zip(self._groups, self._noise()):
+            if not g.half:
+                continue
+            if g.transient:
+                fused_mod.write_weights(g.weights, g.master, g.weights.float(), noise, g.comp, self.rounding)
+            else:
                 g.weights.copy_(g.master)
-                g.release()
+            g.release()
 
     # ------------------------------------------------------------------ memory
 
@@ -544,7 +577,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         """Bytes held between steps per trainable parameter, by kind of buffer.
 
         Keys: ``model_weights``, ``model_grads``, ``master_weights``,
-        ``master_grads``, ``optimizer_state`` and ``total``. Measured from the
+        ``master_grads``, ``optimizer_state``, ``compensation`` (Kahan rounding) and
+        ``total``. Measured from the
         storages actually allocated (flat-buffer alignment gaps included), so for a
         large model fp16 with masters and SGD-momentum reads 2 + 2 + 4 + 4 + 4 = 16,
         and without masters 2 + 2 + 0 + 0 + 4 = 8.
@@ -568,6 +602,7 @@ class FP16Optimizer(torch.optim.Optimizer):
             "master_weights": nbytes(g.master for g in halves) / numel,
             "master_grads": nbytes(g.master_grads for g in halves) / numel,
             "optimizer_state": nbytes(state) / numel,
+            "compensation": nbytes(g.comp for g in halves if g.comp is not None) / numel,
         }
         report["total"] = sum(report.values())
         return report
@@ -591,6 +626,9 @@ class FP16Optimizer(torch.optim.Optimizer):
             "scaler_type": type(self.scaler).__name__,
             "skipped_steps": self.skipped_steps,
             "iteration": self.iteration,
+            "rounding": self.rounding,
+            "rounding_rng": self._rounding_rng.get_state(),
+            "kahan_compensation": [g.comp for g in self._groups],
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -623,6 +661,11 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.scaler.load_state_dict(state_dict["scaler"])
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.iteration = int(state_dict["iteration"])
+        if "rounding_rng" in state_dict:
+            self._rounding_rng.set_state(state_dict["rounding_rng"])
+        for g, comp in zip(self._groups, state_dict.get("kahan_compensation", [])):
+            if g.comp is not None and comp is not None and comp.shape == g.comp.shape:
+                g.comp.copy_(comp)
         saved_masters = state_dict["master_params"]
         position = {id(m): i for i, m in enumerate(self._stepped)}
         with torch.no_grad():

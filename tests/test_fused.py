@@ -96,12 +96,14 @@ def test_fused_adam_differs_from_torch_only_by_the_rounding_of_sqrt(decoupled):
     eager = dict(p=p0.clone(), m=torch.zeros(n), v=torch.zeros(n))
     torch_p = nn.Parameter(p0.clone())
     torch_opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([torch_p], **hyper)
-    kernel = F.compiled(F.adam_update, has_master=True, has_weight_decay=True, decoupled=decoupled, maximize=False)
+    kernel = F.compiled(F.adam_update, has_master=True, has_weight_decay=True, decoupled=decoupled, maximize=False,
+                        rounding="nearest")
     correctly_rounded = lambda t: t.double().sqrt().float()  # noqa: E731
     for step, g16 in enumerate(grads, start=1):
         grad = g16.float() * T(1 / 256)
         lr, (b1, b2), wd, eps = hyper["lr"], hyper["betas"], hyper["weight_decay"], hyper["eps"]
-        kernel(weights, g16, master, m, v, T(1 / 256), T(1.0), T(wd), T(1 - lr * wd), T(1 - b1), T(b2), T(1 - b2),
+        kernel(weights, g16, master, m, v, None, None, T(1 / 256), T(1.0), T(wd), T(1 - lr * wd), T(1 - b1), T(b2),
+               T(1 - b2),
                T((1 - b2**step) ** 0.5), T(eps), T(-lr / (1 - b1**step)))
         adam_by_hand(exact["p"], grad, exact["m"], exact["v"], step, lr, (b1, b2), eps, wd, decoupled, correctly_rounded)
         adam_by_hand(eager["p"], grad, eager["m"], eager["v"], step, lr, (b1, b2), eps, wd, decoupled, torch.sqrt)
@@ -187,7 +189,8 @@ def test_no_fp32_gradient_buffer_with_the_fused_step():
     opt.backward(model(torch.randn(4, 32)).float().mean())
     assert opt.step()
     assert opt.memory_bytes_per_param() == {"model_weights": 2.0, "model_grads": 2.0, "master_weights": 4.0,
-                                            "master_grads": 0.0, "optimizer_state": 4.0, "total": 12.0}
+                                            "master_grads": 0.0, "optimizer_state": 4.0, "compensation": 0.0,
+                                            "total": 12.0}
 
 
 def test_compile_failure_falls_back_with_one_log_line(monkeypatch, caplog):
