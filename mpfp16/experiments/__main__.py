@@ -1,0 +1,58 @@
+"""python -m mpfp16.experiments NAME [--out DIR] [--doc PATH] [--seeds 0,1,2] [--quick]
+
+NAME: lost-updates (Micikevicius et al. §3.1), underflow (§3.2), regularizer (the
+no-master regularizer claim, several seeds), loss-scale (a dynamic loss-scale trace),
+or all. Each finishes in under about 10 minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from . import EXPERIMENTS
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpfp16.experiments", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=EXPERIMENTS + ("all",), help="the experiment")
+    parser.add_argument("--out", default="docs/img", help="where the plots go (default: docs/img)")
+    parser.add_argument("--doc", default="docs/EXPERIMENTS.md",
+                        help="the markdown file whose section is written (default: docs/EXPERIMENTS.md)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the single-run experiments (default: 0)")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds of the regularizer experiment (default: 0,1,2)")
+    parser.add_argument("--quick", action="store_true", help="a tiny version in seconds (default: off)")
+    args = parser.parse_args(argv)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
+    if not seeds:
+        parser.error("--seeds is empty")
+
+    from . import common, loss_scale, lost_updates, regularizer, underflow
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    setup = common.quick(common.Setup()) if args.quick else common.Setup()
+    names = EXPERIMENTS if args.name == "all" else (args.name,)
+    for name in names:
+        started = time.perf_counter()
+        if name == "lost-updates":
+            lost_updates.run(setup, args.seed, args.out, args.doc)
+        elif name == "underflow":
+            underflow.run(setup, args.seed, args.out, args.doc)
+        elif name == "regularizer":
+            regularizer.run(setup, seeds, args.out, args.doc)
+        else:
+            loss_scale.run(setup, args.seed, args.out, args.doc)
+        print(f"{name}: done in {time.perf_counter() - started:.0f}s; section written to {args.doc}, "
+              f"plots in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
