@@ -195,7 +195,7 @@ class Trainer:
             if cfg.evaluate:
                 raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
             return
-        ckpt = ckpt_io.load(path, map_location=self.device)
+        ckpt = ckpt_io.load(path, map_location="cpu")  # RNG states must stay CPU tensors
         if ckpt.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path} is not an mpfp16 training checkpoint (no 'format': '{CHECKPOINT_FORMAT}')")
         try:

@@ -37,8 +37,9 @@ __all__ = ["sgd_update", "adam_update", "grad_stats", "compiled", "scalar"]
 
 
 def scalar(value: float, device: torch.device) -> torch.Tensor:
-    """A Python double as eager kernels see it: rounded to fp32."""
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    """A Python double as eager kernels see it: rounded to fp32. ``torch.full`` fills
+    on the device, where ``torch.tensor`` would copy from the host and wait."""
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def _fma(a, b, c):

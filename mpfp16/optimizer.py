@@ -662,7 +662,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.iteration = int(state_dict["iteration"])
         if "rounding_rng" in state_dict:
-            self._rounding_rng.set_state(state_dict["rounding_rng"])
+            self._rounding_rng.set_state(state_dict["rounding_rng"].cpu())
         for g, comp in zip(self._groups, state_dict.get("kahan_compensation", [])):
             if g.comp is not None and comp is not None and comp.shape == g.comp.shape:
                 g.comp.copy_(comp)

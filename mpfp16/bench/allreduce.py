@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from .. import comm
 from .. import distributed as mdist
+from .timing import time_call
 
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -82,15 +83,12 @@ def bandwidths(size_bytes: int, seconds: float, world_size: int) -> tuple[float,
 
 
 def timed(fn, device: torch.device) -> float:
-    """Seconds for one call of ``fn``, between barriers; the slowest rank's."""
+    """Seconds for one call of ``fn``, between barriers (CUDA events on GPU); the
+    slowest rank's."""
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    elapsed = torch.tensor([time_call(fn, device)], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 

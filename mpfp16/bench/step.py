@@ -27,13 +27,13 @@ import json
 import platform
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
 
 from ..convert import to_half
 from ..optimizer import FP16Optimizer
+from .timing import time_call
 
 LOSS_SCALE = 1024.0
 
@@ -143,12 +143,9 @@ def compare(methods: dict, rounds: int, warmup: int, device: torch.device) -> di
                 prepare()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            seconds = time_call(step, device)
             if i >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
     return times
 
 

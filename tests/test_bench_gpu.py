@@ -1,0 +1,32 @@
+"""The one-command GPU check, in its CPU dry-run mode (what CI can run)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpfp16.bench import gpu
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_dry_run_writes_its_json_and_table(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.gpu", "--dry-run", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [r["mode"] for r in report["throughput"]] == list(gpu.MODES)
+    assert all(r["img_per_s"] > 0 for r in report["throughput"])
+    assert report["cuda_tests"]["returncode"] == 0 and report["cifar_epoch"]["returncode"] == 0
+    assert set(report["step_bench"]) == {"sgd", "adamw"}
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "| mpfp16 fp16 + masters |" in table and "Targets:" in table
+
+
+def test_without_a_gpu_it_asks_for_the_dry_run(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert gpu.main(["--out", "unused"]) == 2
+    assert "--dry-run" in capsys.readouterr().err
