@@ -96,6 +96,21 @@ def train_mpfp16(model16, opt, data, accum=1):
     return results
 
 
+def backward_both(model16, opt, ref_model, ref, x, y):
+    """The same batch's backward through an FP16Optimizer and through the reference."""
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model16(x), y))
+    ref.backward(nn.functional.cross_entropy(ref_model(x), y))
+
+
+def step_both(model16, opt, ref_model, ref, x, y) -> bool:
+    """One step of both; returns whether the FP16Optimizer stepped."""
+    backward_both(model16, opt, ref_model, ref, x, y)
+    stepped = opt.step()
+    ref.step()
+    return stepped
+
+
 def assert_same_params(a: nn.Module, b: nn.Module):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert p.dtype == q.dtype, name

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import mpfp16
-from reference import ReferenceTrainer, batches, make_inner, tiny_mlp
+from reference import ReferenceTrainer, batches, make_inner, step_both, tiny_mlp
 
 pytestmark = pytest.mark.cuda
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,11 +31,7 @@ def test_sgd_on_cuda_matches_torch(kind, fused):
     opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), loss_scale=512.0, fused=fused)
     ref = ReferenceTrainer(ref_model, kind, scale=512.0)
     for x, y in cuda_batches(4):
-        opt.zero_grad()
-        opt.backward(nn.functional.cross_entropy(model(x), y))
-        assert opt.step()
-        ref.backward(nn.functional.cross_entropy(ref_model(x), y))
-        ref.step()
+        assert step_both(model, opt, ref_model, ref, x, y)
     assert opt.fused == fused
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
@@ -47,11 +43,7 @@ def test_adamw_on_cuda_follows_torch(fused):
     opt = mpfp16.FP16Optimizer(make_inner("adamw", model.parameters()), loss_scale=512.0, fused=fused)
     ref = ReferenceTrainer(ref_model, "adamw", scale=512.0)
     for x, y in cuda_batches(4):
-        opt.zero_grad()
-        opt.backward(nn.functional.cross_entropy(model(x), y))
-        opt.step()
-        ref.backward(nn.functional.cross_entropy(ref_model(x), y))
-        ref.step()
+        step_both(model, opt, ref_model, ref, x, y)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-6)
 

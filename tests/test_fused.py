@@ -9,7 +9,8 @@ import torch.nn as nn
 
 import mpfp16
 from mpfp16 import fused as F
-from reference import ReferenceTrainer, assert_same_params, batches, make_inner, tiny_mlp, train_mpfp16, train_reference
+from reference import (ReferenceTrainer, assert_same_params, backward_both, batches, make_inner, step_both, tiny_mlp,
+                       train_mpfp16, train_reference)
 
 T = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
 
@@ -52,11 +53,7 @@ def test_fused_sgd_is_bit_identical_to_torch(kw, master_weights, dtype):
     ref = ReferenceTrainer(ref_model, "sgd", scale=scale or 1.0, master_weights=master_weights)
     ref.opt = torch.optim.SGD(ref.masters, lr=0.05, **kw)
     for x, y in batches(5):
-        opt.zero_grad()
-        opt.backward(nn.functional.cross_entropy(model(x), y))
-        assert opt.step()
-        ref.backward(nn.functional.cross_entropy(ref_model(x), y))
-        ref.step()
+        assert step_both(model, opt, ref_model, ref, x, y)
     assert opt.fused
     assert_same_params(model, ref_model)
     if kw["momentum"]:
@@ -135,10 +132,7 @@ def test_fused_clipping_is_clip_grad_norm_up_to_fp32_rounding():
     opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=128.0, max_grad_norm=0.05,
                                fused=True)
     ref = ReferenceTrainer(ref_model, "sgd", scale=128.0, max_grad_norm=0.05)
-    x, y = batches(1)[0]
-    opt.zero_grad()
-    opt.backward(nn.functional.cross_entropy(model(x), y))
-    ref.backward(nn.functional.cross_entropy(ref_model(x), y))
+    backward_both(model, opt, ref_model, ref, *batches(1)[0])
     expected_norm = torch.nn.utils.get_total_norm([p.grad.float() / 128 for p in ref_model.parameters()])
     opt.step()
     ref.step()

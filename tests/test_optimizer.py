@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 import mpfp16
-from reference import (OPTIMIZERS, ReferenceTrainer, assert_same_params, batches, make_inner, tiny_mlp,
-                       train_mpfp16, train_reference)
+from reference import (OPTIMIZERS, ReferenceTrainer, assert_same_params, backward_both, batches, make_inner,
+                       step_both, tiny_mlp, train_mpfp16, train_reference)
 
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -78,10 +78,7 @@ def test_grad_norm_is_the_unscaled_norm():
     model, ref_model = pair()
     opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=4096.0, track_grad_norm=True)
     ref = ReferenceTrainer(ref_model, "sgd", scale=4096.0)
-    x, y = batches(1)[0]
-    opt.zero_grad()
-    opt.backward(nn.functional.cross_entropy(model(x), y))
-    ref.backward(nn.functional.cross_entropy(ref_model(x), y))
+    backward_both(model, opt, ref_model, ref, *batches(1)[0])
     expected = torch.nn.utils.get_total_norm([p.grad.float() / 4096.0 for p in ref_model.parameters()])
     opt.step()
     assert opt.last_grad_norm == pytest.approx(float(expected), rel=1e-6)
@@ -417,12 +414,8 @@ def test_lr_schedulers_drive_the_wrapped_step(make_sched):
     ref = ReferenceTrainer(ref_model, "sgd", scale=32.0)
     ref_sched = make_sched(ref.opt)
     for x, y in batches(6):
-        opt.zero_grad()
-        opt.backward(nn.functional.cross_entropy(model(x), y))
-        opt.step()
+        step_both(model, opt, ref_model, ref, x, y)
         sched.step()
-        ref.backward(nn.functional.cross_entropy(ref_model(x), y))
-        ref.step()
         ref_sched.step()
         assert opt.param_groups[0]["lr"] == ref.opt.param_groups[0]["lr"]
     assert_same_params(model, ref_model)
