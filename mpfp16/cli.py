@@ -243,6 +243,12 @@ def config_from_args(task: str, args: argparse.Namespace, parser: argparse.Argum
     return TrainConfig(task=task, **values)
 
 
+# How gloo and NCCL word a lost or silent peer in the RuntimeErrors they raise
+# (seen: "Connection closed by peer", "Timed out waiting 8000ms for recv",
+# "Application timeout caused pair closure").
+_COMM_FAILURE = re.compile(r"gloo|nccl|connection|timed out|timeout|pair closure|process ?group", re.I)
+
+
 def one_line(exc: BaseException) -> str:
     """The message of an exception as one line. Errors re-raised from a DataLoader
     worker carry the worker's traceback: keep only its last line."""
@@ -272,8 +278,7 @@ def run(task: str, argv=None, description: str | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except (dist.DistError, RuntimeError) as exc:
-        text = str(exc)
-        if isinstance(exc, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "Connection", "Timed out")):
+        if isinstance(exc, dist.DistError) or _COMM_FAILURE.search(str(exc)):
             print(f"error: communication with another process failed: {one_line(exc)}", file=sys.stderr)
             return 1
         raise

@@ -310,3 +310,19 @@ def test_random_flags_never_give_a_traceback(tmp_path_factory, capsys, flags):
     assert status in (0, 1, 2)
     if status:
         assert err.strip() and "error:" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("message", [
+    "[pair.cc:561] Connection closed by peer [127.0.0.1]:22443",
+    "[unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation to complete",
+    "Application timeout caused pair closure",
+    "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there was a network error",
+])
+def test_peer_failures_are_recognized(message, capsys, monkeypatch):
+    def fail(cfg):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr("mpfp16.engine.train", fail)
+    assert FW.cli.run("cifar", ["--max-steps", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: communication with another process failed: {message}"]
