@@ -7,7 +7,7 @@ buffer of the same layout, and puts the masters into the inner optimizer's
 ``param_groups`` in place of the model's parameters. fp32 parameters (normalization
 layers) are stepped directly.
 
-The step runs in one fixed order (shared/DESIGN.md):
+The step runs in one fixed order (the project's DESIGN):
 
 1. ``_unscale_grads``: copy the 16-bit gradients into the fp32 master gradients,
    multiply by 1/scale and look for inf/NaN, one pass per flat buffer;
@@ -17,7 +17,10 @@ The step runs in one fixed order (shared/DESIGN.md):
 5. ``_copy_masters_to_model``: one copy per flat buffer;
 6. the scaler counts a clean step (and may grow the scale).
 
-Reading the overflow flag is the step's only host synchronization.
+For SGD, Adam and AdamW, the fused path (mpfp16/fused.py) does the same in two
+compiled passes: ``_grad_stats`` (phase 1's check, read from the 16-bit gradients)
+and one kernel per flat segment for phases 3 to 5. Either way, reading the overflow
+flag is the step's only host synchronization.
 """
 
 from __future__ import annotations

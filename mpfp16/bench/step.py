@@ -31,7 +31,6 @@ import sys
 import torch
 import torch.nn as nn
 
-from ..convert import to_half
 from ..optimizer import FP16Optimizer
 from .timing import time_call
 
