@@ -209,6 +209,7 @@ class ImageFolderSplit(Dataset):
         self.classes = index.classes
         self.class_to_idx = index.class_to_idx
         self.transform, self.seed, self.bad_images = transform, seed, bad_images
+        self._warned: set[str] = set()  # each bad file is reported once per process
         if not self.samples:
             raise DataError(f"{folder} holds no images")
 
@@ -232,7 +233,9 @@ class ImageFolderSplit(Dataset):
             except DataError as exc:
                 if self.bad_images == "fail":
                     raise
-                logger.warning("skipping %s", exc)
+                if path not in self._warned:
+                    self._warned.add(path)
+                    logger.warning("skipping %s", exc)
         else:
             raise DataError(f"no image of {len(self.samples)} in the split decodes")
         return _apply_transform(self.transform, image, sample_seed(self.seed, epoch, index)), label

@@ -240,7 +240,7 @@ def truncated_folder(tmp_path):
 def test_truncated_jpeg_fails_the_run_naming_the_file(truncated_folder, tmp_path, capsys, workers):
     root, victim = truncated_folder
     status = train_imagenet.main([root, "-a", "resnet18", "--image-size", "32", "-b", "4", "--no-progress",
-                                  "--precision", "bf16", "-j", workers, "--epochs", "1",
+                                  "--precision", "bf16", "-j", workers, "--epochs", "1", "--fused", "off",
                                   "--checkpoint-dir", str(tmp_path / "ck")])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and err[0].startswith(f"error: cannot decode image {victim}")
@@ -250,6 +250,7 @@ def test_truncated_jpeg_is_skipped_with_a_warning_when_asked(truncated_folder, t
     root, victim = truncated_folder
     status = train_imagenet.main([root, "-a", "resnet18", "--image-size", "32", "-b", "4", "--no-progress",
                                   "--precision", "bf16", "-j", "0", "--epochs", "1", "--bad-images", "skip",
+                                  "--fused", "off",
                                   "--checkpoint-dir", str(tmp_path / "ck")])
     out = capsys.readouterr().out
     assert status == 0 and f"skipping cannot decode image {victim}" in out
