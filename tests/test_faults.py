@@ -302,10 +302,14 @@ def test_random_flags_never_give_a_traceback(tmp_path_factory, capsys, flags):
     tmp = tmp_path_factory.mktemp("fuzz")
     argv = ["--synthetic-size", "64,16", "-a", "resnet9-w4", "-b", "16", "--max-steps", "1", "--no-progress",
             "--checkpoint-dir", str(tmp)] + [part for flag in flags for part in flag]
+    cwd = os.getcwd()
+    os.chdir(tmp)  # relative paths among the flags (--metrics 1.5) land here, not in the repository
     try:
         status = train_cifar.main(argv)
     except SystemExit as exc:  # argparse
         status = exc.code
+    finally:
+        os.chdir(cwd)
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert status in (0, 1, 2)
