@@ -301,7 +301,7 @@ class Trainer:
         bar = tqdm(total=self.steps_per_epoch, initial=self.batches_done // cfg.accum_steps, disable=not show,
                    desc=f"epoch {epoch + 1}/{self.epochs_shown}", dynamic_ncols=True, leave=False)
         self.model.train()
-        epoch_start, epoch_loss, epoch_steps = time.perf_counter(), 0.0, 0
+        epoch_start, epoch_loss, epoch_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
         window_start, window_loss, window_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
         batches = iter(self._loader(epoch))
         for _ in range(steps_left):
@@ -312,25 +312,22 @@ class Trainer:
             comm = comm.pop_step() if comm is not None else {"allreduce_calls": 0, "allreduce_bytes": 0}
             window_loss += loss
             window_steps += 1
+            epoch_loss += loss
+            epoch_steps += 1
             bar.update(1)
             if self.step % cfg.print_freq == 0 or self.step == self.total_steps:
                 mean_loss = self._mean_across_ranks(window_loss / window_steps)
                 rate = window_steps * self.samples_per_step / (time.perf_counter() - window_start)
-                epoch_loss += mean_loss * window_steps
-                epoch_steps += window_steps
                 self._log_step(mean_loss, rate, comm)
                 bar.set_postfix(loss=f"{mean_loss:.4f}", scale=f"{self.opt.loss_scale:g}", img_s=f"{rate:.0f}")
                 window_start, window_loss, window_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
                 self.save()
         bar.close()
-        if window_steps:
-            mean_loss = self._mean_across_ranks(window_loss / window_steps)
-            epoch_loss += mean_loss * window_steps
-            epoch_steps += window_steps
+        epoch_loss = self._mean_across_ranks(epoch_loss / max(1, epoch_steps))
         if self.batches_done // cfg.accum_steps >= self.steps_per_epoch:
             self.epoch, self.batches_done = epoch + 1, 0
-        self._end_epoch(epoch, epoch_loss / max(1, epoch_steps), time.perf_counter() - epoch_start,
+        self._end_epoch(epoch, epoch_loss, time.perf_counter() - epoch_start,
                         epoch_steps * self.samples_per_step)
 
     def train_step(self, batches) -> torch.Tensor:

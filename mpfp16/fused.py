@@ -249,11 +249,9 @@ class FusedUpdater:
     in its usual per-parameter form (each entry a view of a flat state buffer), so
     that ``state_dict()`` is the same whichever path stepped."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups, master_weights: bool,
-                 rounding: str = "nearest") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, groups, rounding: str = "nearest") -> None:
         self.optimizer = optimizer
         self.groups = groups  # the _FlatGroup list
-        self.master_weights = master_weights
         self.rounding = rounding
         self.is_sgd = type(optimizer) is torch.optim.SGD
         self._flat_state: dict = {}  # (flat group index, state name) -> flat fp32 buffer
@@ -315,11 +313,11 @@ class FusedUpdater:
                     self._adam(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi])
 
     def _rounding(self, g) -> str:
-        return self.rounding if g.half and not self.master_weights else "nearest"
+        return self.rounding if g.transient else "nearest"
 
     def _slices(self, gi, g, segment, names, noise):
         s = slice(segment.start, segment.end)
-        master = g.master[s] if g.has_master(self.master_weights) else None
+        master = g.master[s] if g.has_master else None
         extras = (noise[s] if noise is not None else None, g.comp[s] if g.comp is not None else None)
         return g.weights[s], g.grads[s], master, [self._flat_state[(gi, n)][s] for n in names], extras
 
@@ -367,9 +365,6 @@ class FusedUpdater:
                     decoupled=bool(hyper.get("decoupled_weight_decay", False)), maximize=bool(hyper["maximize"]),
                     rounding=rounding)
 
-    def memory_views(self) -> list[torch.Tensor]:
-        return list(self._flat_state.values())
-
     def warm_up(self, max_numel: int = 1 << 20) -> None:
         """Compile every kernel variant this optimizer will need, on scratch tensors,
         so that a compile failure shows before any real buffer is written.
@@ -388,7 +383,7 @@ class FusedUpdater:
                 hyper = self.optimizer.param_groups[segment.group_index]
                 weights = torch.zeros(numel, dtype=dtype, device=dev)
                 grad = torch.zeros(numel, dtype=dtype, device=dev)
-                master = torch.zeros(numel, device=dev) if g.has_master(self.master_weights) else None
+                master = torch.zeros(numel, device=dev) if g.has_master else None
                 bufs = [torch.zeros(numel, device=dev) for _ in range(2)]
                 rounding = self._rounding(g)
                 noise = torch.zeros(numel, device=dev) if rounding == "stochastic" else None

@@ -123,8 +123,10 @@ class _FlatGroup:
                 first = i
         return segments
 
-    def has_master(self, master_weights: bool) -> bool:
-        return self.half and master_weights
+    @property
+    def has_master(self) -> bool:
+        """A 16-bit group with persistent fp32 masters."""
+        return self.half and not self.transient
 
     def prepare_master_grads(self) -> None:
         if self.half:
@@ -187,8 +189,9 @@ class FP16Optimizer(torch.optim.Optimizer):
         reduce_overflow: set False when this rank steps alone while others run
             (a single-process baseline inside a distributed job); also an attribute.
         fused: run the step of an SGD, Adam or AdamW inner optimizer as one compiled
-            kernel per flat buffer segment (mpfp16/fused.py): bit-identical results,
-            no fp32 gradient buffer, about a third of the time of an fp32 step.
+            kernel per flat buffer segment (mpfp16/fused.py), with no fp32 gradient
+            buffer: bit-identical for SGD; for Adam the parameters differ in the last
+            bits where torch's CPU sqrt is not correctly rounded.
             ``None`` (default): when supported and the model has at least 1M
             parameters (compiling takes seconds); ``True``: always (an error if the
             inner optimizer is not supported); ``False``: never. If compiling fails,
@@ -254,8 +257,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.scaler = self._make_scaler(loss_scale, params)
         numel = sum(g.layout.numel for g in self._groups)
         use_fused = fused if fused is not None else (reason is None and numel >= FUSED_MIN_NUMEL)
-        self._fused = (fused_mod.FusedUpdater(optimizer, self._groups, self.master_weights, rounding)
-                       if use_fused else None)
+        self._fused = fused_mod.FusedUpdater(optimizer, self._groups, rounding) if use_fused else None
         self._fused_checked = False
         self._rounding_rng = torch.Generator(device=self._groups[0].device)
         self._rounding_rng.manual_seed(rounding_seed)
@@ -450,7 +452,7 @@ class FP16Optimizer(torch.optim.Optimizer):
     # The fused path (mpfp16/fused.py): one compiled kernel per flat segment.
 
     def _fused_ready(self) -> bool:
-        """Compile the kernels on tiny tensors before the first fused step touches
+        """Compile the kernels on scratch tensors before the first fused step touches
         real data; if that fails (no compiler, an unsupported platform), fall back to
         the unfused path for good, with one log line."""
         if self._fused_checked:
@@ -583,8 +585,9 @@ class FP16Optimizer(torch.optim.Optimizer):
         ``master_grads``, ``optimizer_state``, ``compensation`` (Kahan rounding) and
         ``total``. Measured from the
         storages actually allocated (flat-buffer alignment gaps included), so for a
-        large model fp16 with masters and SGD-momentum reads 2 + 2 + 4 + 4 + 4 = 16,
-        and without masters 2 + 2 + 0 + 0 + 4 = 8.
+        large model fp16 with masters and SGD-momentum reads 2 + 2 + 4 + 4 + 4 = 16
+        with ``fused=False`` (2 + 2 + 4 + 0 + 4 = 12 fused: no fp32 gradients), and
+        without masters 2 + 2 + 0 + 0 + 4 = 8.
         """
         numel = sum(g.layout.numel for g in self._groups)
 
