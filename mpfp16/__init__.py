@@ -7,17 +7,21 @@
 
 from . import distributed
 from .convert import cast_floating, model_dtype, to_half
+from .flat import flatten_parameters
 from .optimizer import FP16Optimizer
+from .replicas import ReplicaDivergenceError
 from .scaler import DynamicLossScaler, LossScaler, LossScaleStuckError
 
 __all__ = [
     "to_half",
+    "flatten_parameters",
     "model_dtype",
     "cast_floating",
     "FP16Optimizer",
     "LossScaler",
     "DynamicLossScaler",
     "LossScaleStuckError",
+    "ReplicaDivergenceError",
     "distributed",
 ]
 

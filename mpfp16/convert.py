@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from . import flat
+
 __all__ = ["NORM_TYPES", "HALF_DTYPES", "to_half", "model_dtype", "cast_floating"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -50,8 +52,18 @@ def _outputs_to_fp32_hook(module, args, output):
     return cast_floating(output, torch.float32)
 
 
+def _target_dtype(module: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if isinstance(module, NORM_TYPES) else dtype
+
+
 def to_half(model: nn.Module, dtype: torch.dtype = torch.float16, cast_io: bool = True) -> nn.Module:
-    """Convert ``model`` in place to 16-bit parameters and buffers, except normalization layers.
+    """Convert ``model`` in place to 16-bit parameters and buffers, except normalization layers,
+    and place its trainable parameters in flat buffers (:func:`mpfp16.flatten_parameters`).
+
+    Call it after moving the model to its device and before wrapping it in
+    DistributedDataParallel: then FP16Optimizer, built before or after DDP, adopts the
+    flat buffers and moves no parameter. Converting a model that DDP already holds
+    raises an error instead of silently detaching DDP's gradient hooks.
 
     Args:
         model: the model; converted in place (the Parameter objects stay the same, so an
@@ -66,13 +78,19 @@ def to_half(model: nn.Module, dtype: torch.dtype = torch.float16, cast_io: bool 
     """
     if dtype not in HALF_DTYPES:
         raise ValueError(f"to_half converts to torch.float16 or torch.bfloat16, not {dtype}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError("to_half got a DistributedDataParallel module: convert the model first, then wrap it "
+                        "(casting parameters that DDP holds would silently stop its gradient averaging)")
+    changing = [p for module in model.modules() for p in module.parameters(recurse=False)
+                if p.is_floating_point() and p.dtype != _target_dtype(module, dtype)]
+    flat.check_movable(changing)
 
     def cast_to(target):
         return lambda t: t.to(target) if t.is_floating_point() else t
 
     for module in model.modules():
-        target = torch.float32 if isinstance(module, NORM_TYPES) else dtype
-        module._apply(cast_to(target), recurse=False)
+        module._apply(cast_to(_target_dtype(module, dtype)), recurse=False)
+    flat.flatten_parameters(model)
 
     if cast_io:
         old = getattr(model, "_mpfp16_io_hooks", None)

@@ -25,10 +25,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .comm import HOOKS, STRATEGIES, CommStats, HookState
+from .replicas import ReplicaDivergenceError, check_replicas
 
 __all__ = [
-    "DistInfo", "init", "teardown", "wrap", "sync_gradients", "comm_stats",
-    "get_rank", "get_world_size", "is_main_process", "DEFAULT_TIMEOUT_S",
+    "DistInfo", "init", "teardown", "wrap", "sync_gradients", "comm_stats", "check_replicas",
+    "ReplicaDivergenceError", "broadcast_buffers", "broadcast_object", "all_gather_object", "get_rank",
+    "get_world_size", "is_main_process", "DEFAULT_TIMEOUT_S",
 ]
 
 logger = logging.getLogger("mpfp16")
@@ -258,6 +260,35 @@ def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, pre
     ddp._mpfp16_hook_state = state
     _HOOK_STATES.append(state)
     return ddp
+
+
+def broadcast_object(obj, src: int = 0):
+    """``src``'s ``obj`` on every rank (a picklable value); ``obj`` itself when not
+    distributed."""
+    if not is_initialized():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj``, in rank order; ``[obj]`` when not distributed."""
+    if not is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+@torch.no_grad()
+def broadcast_buffers(model: torch.nn.Module, src: int = 0, process_group=None) -> None:
+    """Give every rank ``src``'s buffers (BatchNorm statistics), as DDP does at the
+    start of each forward pass; nothing when not distributed."""
+    if not is_initialized():
+        return
+    for buf in model.buffers():
+        dist.broadcast(buf, src=src, group=process_group)
 
 
 def comm_stats(model: torch.nn.Module) -> CommStats | None:

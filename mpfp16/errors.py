@@ -1,5 +1,6 @@
-"""Errors that are the user's to fix. The scripts print them as one line, with no
-traceback, and exit with status 2."""
+"""Errors with a known cause. The scripts print each as one line, with no traceback:
+the user's to fix (:class:`UserError` and its kinds) with exit status 2, the others
+with exit status 1."""
 
 
 class UserError(Exception):
@@ -12,3 +13,12 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, corrupt, unsafe or from another model."""
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """Data-parallel ranks hold different weights, masters or optimizer state."""
+
+
+class FusedStepUnavailable(RuntimeError):
+    """``fused=True`` was asked for, and the fused step could not be compiled on
+    some rank."""

@@ -12,13 +12,15 @@ and stay zero: their gradient is always zero, so no elementwise optimizer moves 
 
 from __future__ import annotations
 
+import weakref
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
 ALIGN = 16  # elements: 32 bytes of fp16, 64 bytes of fp32
 
-__all__ = ["ALIGN", "FlatLayout", "is_dense"]
+__all__ = ["ALIGN", "FlatLayout", "FlatParams", "is_dense", "place", "flatten_parameters", "check_movable"]
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -112,3 +114,119 @@ def restore(flat: torch.Tensor) -> None:
     nbytes = flat.numel() * flat.element_size()
     if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
+
+
+# ------------------------------------------------------------ placing parameters
+#
+# A parameter is moved into a flat buffer once, before anything holds it. Moving it
+# later is not safe: ``set_`` gives the parameter a new gradient accumulator, and
+# DistributedDataParallel registered its allreduce hooks on the old one, so its
+# gradients would silently stop being averaged. So :func:`mpfp16.to_half` places the
+# parameters when it converts the model, FP16Optimizer adopts those buffers as they
+# are, and whatever must still move is first checked by :func:`check_movable`.
+
+
+class FlatParams:
+    """Parameters of one device and dtype, moved into one flat buffer (``data``).
+
+    Each parameter keeps its Python identity (every reference to it stays valid) and
+    is tagged with the buffer it lives in, so that a later :func:`place` of the same
+    parameters finds it and moves nothing. The buffer refers to its parameters only
+    weakly: it never keeps a model alive.
+    """
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.layout = FlatLayout.of(params)
+        self.data = self.layout.empty(params[0].dtype, params[0].device)
+        with torch.no_grad():
+            for p, view in zip(params, self.layout.views(self.data)):
+                view.copy_(p)
+                repoint(p, view)
+                p._mpfp16_flat = self
+        self._params = [weakref.ref(p) for p in params]
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters in buffer order (None for one that no longer exists)."""
+        return [ref() for ref in self._params]
+
+    def _in_place(self, p: torch.Tensor, i: int) -> bool:
+        return (p.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr()
+                and p.storage_offset() == self.data.storage_offset() + self.layout.offsets[i]
+                and p.shape == self.layout.shapes[i] and p.stride() == self.layout.strides[i])
+
+    def holds_exactly(self, params: list[torch.Tensor]) -> bool:
+        """True when ``params`` (in any order) are all of this buffer's parameters, each
+        still at its place (not moved by ``.to()``, ``.half()`` and the like)."""
+        mine = self.params
+        if len(params) != len(mine) or {id(p) for p in params} != {id(p) for p in mine if p is not None}:
+            return False
+        return all(self._in_place(p, i) for i, p in enumerate(mine))
+
+
+def _grad_accumulator_held(p: torch.Tensor) -> bool:
+    """True when something other than this call keeps ``p``'s gradient accumulator
+    alive: DistributedDataParallel's reducer does, to hook its allreduce on it.
+
+    The accumulator is a node that autograd keeps only weakly; a mark left in its
+    metadata survives dropping our reference only if another owner holds it.
+    """
+    if not p.requires_grad or not p.is_leaf:
+        return False
+    with torch.inference_mode(False), torch.enable_grad():
+        node = p.view_as(p).grad_fn.next_functions[0][0]
+        node.metadata["mpfp16.probe"] = True
+        del node
+        node = p.view_as(p).grad_fn.next_functions[0][0]
+        return node.metadata.pop("mpfp16.probe", False)
+
+
+def check_movable(params: list[torch.Tensor]) -> None:
+    """Raise if moving or converting ``params`` would detach hooks that DDP holds.
+
+    Raises:
+        RuntimeError: one line that names the fix.
+    """
+    held = [p for p in params if _grad_accumulator_held(p)]
+    if held:
+        raise RuntimeError(
+            f"{len(held)} parameters (the first of shape {list(held[0].shape)}, {held[0].dtype}) would have to "
+            "move into a flat buffer after DistributedDataParallel (or another gradient hook) took hold of "
+            "them, which silently stops DDP from averaging their gradients: call mpfp16.to_half(model) (for "
+            "an fp32 model, mpfp16.flatten_parameters(model)) before wrapping it in DDP, or build "
+            "FP16Optimizer before DDP"
+        )
+
+
+def place(params: list[torch.Tensor]) -> FlatParams:
+    """Put ``params`` (one device and dtype) in one flat buffer and return it: the
+    buffer they already fill exactly, which moves nothing, or a new one, after
+    :func:`check_movable`."""
+    existing = getattr(params[0], "_mpfp16_flat", None)
+    if isinstance(existing, FlatParams) and existing.holds_exactly(params):
+        return existing
+    check_movable(params)
+    return FlatParams(params)
+
+
+def trainable_by_key(params) -> dict[tuple, list[torch.Tensor]]:
+    """Parameters that require grad, by (device, dtype), in the order given."""
+    by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.requires_grad:
+            by_key[(p.device, p.dtype)].append(p)
+    return by_key
+
+
+def flatten_parameters(module: torch.nn.Module) -> torch.nn.Module:
+    """Place ``module``'s trainable parameters in flat buffers, one per device and
+    dtype, in ``module.parameters()`` order; returns ``module``.
+
+    :func:`mpfp16.to_half` calls it. Call it yourself for a model that stays fp32,
+    before wrapping it in DistributedDataParallel, so that FP16Optimizer has nothing
+    left to move whichever of the two is built first. Calling it again moves nothing.
+    Frozen parameters (``requires_grad=False``) stay where they are.
+    """
+    for params in trainable_by_key(module.parameters()).values():
+        place(params)
+    return module

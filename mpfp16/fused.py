@@ -23,12 +23,15 @@ never triggers a recompilation.
 from __future__ import annotations
 
 import logging
+import subprocess
 import types
 
 import torch
 import torch._dynamo
+import torch._dynamo.exc
 import torch._functorch.config
 import torch._inductor.config
+import torch._inductor.exc
 from torch._inductor import inductor_prims
 
 logger = logging.getLogger("mpfp16")
@@ -74,6 +77,20 @@ def lerp(a, b, weight):
 
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
+
+# What compiling a kernel can raise: dynamo's and inductor's own errors (a missing or
+# broken C++ compiler arrives as InductorError), a compiler that cannot be run, and
+# the recompile limit. Anything else is a bug and propagates.
+COMPILE_ERRORS = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+    torch._dynamo.exc.TritonUnavailableError,
+    torch._inductor.exc.InvalidCxxCompiler,
+    torch._inductor.exc.CppCompileError,
+    torch._inductor.exc.OperatorIssue,
+    subprocess.CalledProcessError,
+    OSError,
+)
 
 
 def stochastic_round(x, noise, dtype):
@@ -255,7 +272,7 @@ class FusedUpdater:
         self.rounding = rounding
         self.is_sgd = type(optimizer) is torch.optim.SGD
         self._flat_state: dict = {}  # (flat group index, state name) -> flat fp32 buffer
-        self._steps: dict = {}  # (flat group index, param group index) -> Adam step counters
+        self._steps: dict = {}  # (flat group index, segment index) -> Adam step counters
         self._adopted = False
 
     def invalidate(self) -> None:
@@ -271,7 +288,7 @@ class FusedUpdater:
         """Make every state tensor a view of a flat buffer, copying in what exists."""
         state = self.optimizer.state
         for gi, g in enumerate(self.groups):
-            for segment in g.segments:
+            for si, segment in enumerate(g.segments):
                 hyper = self.optimizer.param_groups[segment.group_index]
                 for name in self._state_names(hyper):
                     key = (gi, name)
@@ -297,7 +314,7 @@ class FusedUpdater:
                     if steps.unique().numel() > 1:
                         raise RuntimeError("Adam step counters differ within a param group; the fused step "
                                            "needs them equal (use fused=False)")
-                    self._steps[(gi, segment.group_index)] = steps
+                    self._steps[(gi, si)] = steps
         self._adopted = True
 
     def step(self, inv_scale: torch.Tensor, clip_coef: torch.Tensor, noise: list) -> None:
@@ -305,12 +322,12 @@ class FusedUpdater:
         if not self._adopted:
             self._adopt()
         for gi, g in enumerate(self.groups):
-            for segment in g.segments:
+            for si, segment in enumerate(g.segments):
                 hyper = self.optimizer.param_groups[segment.group_index]
                 if self.is_sgd:
                     self._sgd(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi])
                 else:
-                    self._adam(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi])
+                    self._adam(gi, si, g, segment, hyper, inv_scale, clip_coef, noise[gi])
 
     def _rounding(self, g) -> str:
         return self.rounding if g.transient else "nearest"
@@ -337,9 +354,9 @@ class FusedUpdater:
             for i in segment.indices:
                 state[g.master_views[i]]["momentum_buffer"] = views[i]
 
-    def _adam(self, gi, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
+    def _adam(self, gi, si, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
         dev = g.device
-        steps = self._steps[(gi, segment.group_index)]
+        steps = self._steps[(gi, si)]
         steps += 1
         step = float(steps[0])
         lr, (beta1, beta2), wd, eps = _value(hyper["lr"]), hyper["betas"], hyper["weight_decay"], hyper["eps"]
@@ -374,6 +391,7 @@ class FusedUpdater:
         threads, and keeps that decision in its on-disk cache for every later size;
         a small first example would leave ResNet-50's step single-threaded."""
         numel = max_numel
+        seen = set()  # a param group split into several segments needs its kernels once
         for g in self.groups:
             dev, dtype = g.device, g.dtype
             one = scalar(1.0, dev)
@@ -381,11 +399,16 @@ class FusedUpdater:
                 compiled(grad_stats, with_norm=with_norm)(torch.zeros(numel, dtype=dtype, device=dev), one)
             for segment in g.segments:
                 hyper = self.optimizer.param_groups[segment.group_index]
+                rounding = self._rounding(g)
+                flags = (self._sgd_flags(hyper, g.has_master, False, rounding) if self.is_sgd
+                         else self._adam_flags(hyper, g.has_master, rounding))
+                if (dev, dtype, tuple(flags.items())) in seen:
+                    continue
+                seen.add((dev, dtype, tuple(flags.items())))
                 weights = torch.zeros(numel, dtype=dtype, device=dev)
                 grad = torch.zeros(numel, dtype=dtype, device=dev)
                 master = torch.zeros(numel, device=dev) if g.has_master else None
                 bufs = [torch.zeros(numel, device=dev) for _ in range(2)]
-                rounding = self._rounding(g)
                 noise = torch.zeros(numel, device=dev) if rounding == "stochastic" else None
                 comp = torch.zeros(numel, dtype=dtype, device=dev) if rounding == "kahan" else None
                 if self.is_sgd:

@@ -1,11 +1,14 @@
 """FP16Optimizer: fp32 master weights, loss scaling and one clean optimizer step.
 
 The wrapper takes any ``torch.optim`` optimizer built over a 16-bit model's
-parameters. It re-points the parameters (and their gradients) into flat buffers, one
-per (device, dtype), keeps an fp32 master copy of every 16-bit parameter in a flat
-buffer of the same layout, and puts the masters into the inner optimizer's
-``param_groups`` in place of the model's parameters. fp32 parameters (normalization
-layers) are stepped directly.
+parameters. The parameters live in flat buffers, one per (device, dtype): those that
+:func:`mpfp16.to_half` made (adopted as they are, so the wrapper may be built before
+or after DDP), or, for parameters that are not in one, buffers it makes (mpfp16/flat.py
+refuses to move parameters that DDP already holds). Their gradients become views of a
+flat buffer of the same layout. It keeps an fp32 master copy of every 16-bit
+parameter in a flat buffer of that layout too, and puts the masters into the inner
+optimizer's ``param_groups`` in place of the model's parameters. fp32 parameters
+(normalization layers) are stepped directly.
 
 The step runs in one fixed order (the project's DESIGN):
 
@@ -38,6 +41,7 @@ from . import flat
 from . import fused as fused_mod
 from .convert import HALF_DTYPES
 from .distributed import get_world_size, is_main_process
+from .errors import FusedStepUnavailable
 from .scaler import DynamicLossScaler, LossScaler
 
 __all__ = ["FP16Optimizer"]
@@ -75,22 +79,28 @@ class _FlatGroup:
 
     def __init__(self, params: list[torch.Tensor], master_weights: bool, group_of: dict[int, int],
                  kahan: bool = False) -> None:
-        self.params = params
+        # The buffer to_half() made for exactly these parameters moves nothing; any other
+        # placement is refused if DDP already holds them (flat.check_movable).
+        placed = flat.place(params)
+        self.params = params = placed.params
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.half = self.dtype in HALF_DTYPES
-        self.layout = flat.FlatLayout.of(params)
-        self.weights = self.layout.empty(self.dtype, self.device)
+        self.layout = placed.layout
+        self.weights = placed.data
         self.grads = self.layout.empty(self.dtype, self.device)
         self.grad_views = self.layout.views(self.grads)
         with torch.no_grad():
-            for p, w, g in zip(params, self.layout.views(self.weights), self.grad_views):
-                w.copy_(p)
+            for p, g in zip(params, self.grad_views):
                 if p.grad is not None:
                     g.copy_(p.grad)
-                flat.repoint(p, w)
-                p.grad = g
+                p.grad = g  # unlike moving the parameter, harmless under DDP
         self.data_ptrs = [p.data_ptr() for p in params]
+        # The optimizer writes the weights through the flat buffer, which leaves each
+        # parameter's own version counter alone; a write through the parameter itself
+        # (DDP's initial broadcast from rank 0, model.load_state_dict, an in-place init)
+        # bumps it, and the next step re-reads that weight's master (check_params).
+        self.mark_synced()
         self.grad_ptrs = [g.data_ptr() for g in self.grad_views]
         self.segments = self._segments([group_of[id(p)] for p in params])
         # Kahan rounding's 16-bit compensation: what the last rounding lost, per weight.
@@ -113,8 +123,9 @@ class _FlatGroup:
             flat.release(self.master)
 
     def _segments(self, group_indices: list[int]) -> list[_Segment]:
-        """Consecutive runs of parameters of the same param group (they are built in
-        param-group order, so each group is one run)."""
+        """Consecutive runs of parameters of the same param group. The buffer is in
+        model order, so a param group can make several runs (weights and biases in
+        groups with and without weight decay, say)."""
         segments, first, offsets = [], 0, self.layout.offsets
         for i in range(1, len(group_indices) + 1):
             if i == len(group_indices) or group_indices[i] != group_indices[first]:
@@ -132,17 +143,30 @@ class _FlatGroup:
         if self.half:
             flat.restore(self.master_grads)
 
+    def mark_synced(self) -> None:
+        """The masters and the weights agree now: remember each weight's version."""
+        self.versions = [p._version for p in self.params]
+
     def check_params(self) -> None:
-        """Raise if a parameter or its gradient left the flat buffers; re-attach
-        gradients that were replaced (``model.zero_grad()`` sets them to None, and the
-        next backward then makes a fresh tensor)."""
-        for p, g, ptr, grad_ptr in zip(self.params, self.grad_views, self.data_ptrs, self.grad_ptrs):
+        """Raise if a parameter or its gradient left the flat buffers; re-read the
+        master (and reset the Kahan compensation) of a weight written from outside
+        since the last step; re-attach gradients that were replaced
+        (``model.zero_grad()`` sets them to None, and the next backward then makes a
+        fresh tensor)."""
+        for i, (p, g, ptr, grad_ptr) in enumerate(zip(self.params, self.grad_views, self.data_ptrs,
+                                                      self.grad_ptrs)):
             if p.data_ptr() != ptr or g.data_ptr() != grad_ptr:
                 raise RuntimeError(
                     f"a {self.dtype} parameter of shape {list(p.shape)} no longer lives in the "
                     "FP16Optimizer's flat buffer: the model was converted or moved (.half(), "
-                    ".to()) after the optimizer was built. Build FP16Optimizer last."
+                    ".to()) after the optimizer was built. Convert and move the model first."
                 )
+            if p._version != self.versions[i]:
+                self.versions[i] = p._version
+                if self.has_master:
+                    self.master_views[i].copy_(p)
+                if self.comp is not None:
+                    self.layout.views(self.comp)[i].zero_()
             if p.grad is g:
                 continue
             if p.grad is None:
@@ -168,9 +192,9 @@ class FP16Optimizer(torch.optim.Optimizer):
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` built over the model's parameters
-            (fp16, bf16 or fp32). Build it after :func:`mpfp16.to_half` and after the
-            model is on its device; the wrapper must be the last to touch parameter
-            storage. It stays reachable as ``.optimizer``.
+            (fp16, bf16 or fp32), after :func:`mpfp16.to_half` (or
+            :func:`mpfp16.flatten_parameters`) and before or after wrapping the model
+            in DDP. It stays reachable as ``.optimizer``.
         loss_scale: ``"dynamic"`` (a :class:`DynamicLossScaler`; for a model with no
             fp16 parameter, bf16 or fp32, it means no scaling), a float (a static
             scale), ``None`` (no scaling; non-finite gradients still skip the step),
@@ -194,8 +218,10 @@ class FP16Optimizer(torch.optim.Optimizer):
             bits where torch's CPU sqrt is not correctly rounded.
             ``None`` (default): when supported and the model has at least 1M
             parameters (compiling takes seconds); ``True``: always (an error if the
-            inner optimizer is not supported); ``False``: never. If compiling fails,
-            the step falls back to the unfused path with one log line.
+            inner optimizer is not supported); ``False``: never. The kernels compile
+            at the first step; if that fails on any rank, ``fused=True`` raises on
+            every rank, and ``None`` puts every rank on the unfused step with one
+            warning, so the ranks never take different paths.
         rounding: how a new weight is rounded to 16 bits without master weights:
             ``"nearest"`` (updates under half an ulp vanish), ``"stochastic"``
             (unbiased: up or down at random, in proportion to the distance; seeded by
@@ -259,6 +285,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         use_fused = fused if fused is not None else (reason is None and numel >= FUSED_MIN_NUMEL)
         self._fused = fused_mod.FusedUpdater(optimizer, self._groups, rounding) if use_fused else None
         self._fused_checked = False
+        self._fused_requested = fused is True
         self._rounding_rng = torch.Generator(device=self._groups[0].device)
         self._rounding_rng.manual_seed(rounding_seed)
 
@@ -266,7 +293,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         to_master = {id(p): m for g in self._groups for p, m in zip(g.params, g.master_views)}
         for group in optimizer.param_groups:
             group["params"] = [to_master.get(id(p), p) for p in group["params"]]
-        self._stepped = [to_master[id(p)] for p in params]  # inner param order
+        self._model_params = params  # inner param order
+        self._stepped = [to_master[id(p)] for p in params]
         self._shapes = [list(p.shape) for p in params]
         self._dtypes = [str(p.dtype).replace("torch.", "") for p in params]
 
@@ -364,6 +392,18 @@ class FP16Optimizer(torch.optim.Optimizer):
     def state(self):
         return self.optimizer.state
 
+    def model_params(self) -> list[torch.Tensor]:
+        """The model's trainable parameters, in the inner optimizer's order (that of
+        :meth:`master_params` and of the state_dict's indices)."""
+        return list(self._model_params)
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 tensors the inner optimizer steps, in its parameter order: the
+        masters of the 16-bit parameters and the fp32 parameters themselves. Without
+        master weights the masters of 16-bit parameters hold values only inside
+        ``step()``."""
+        return list(self._stepped)
+
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
@@ -453,19 +493,51 @@ class FP16Optimizer(torch.optim.Optimizer):
 
     def _fused_ready(self) -> bool:
         """Compile the kernels on scratch tensors before the first fused step touches
-        real data; if that fails (no compiler, an unsupported platform), fall back to
-        the unfused path for good, with one log line."""
+        real data, and make every rank take the same path.
+
+        A compile can fail on one rank only (a node without a working compiler, a full
+        disk), so the outcome is gathered across the process group. If any rank
+        failed, ``fused=True`` raises on every rank, naming the ranks and the reason;
+        the default (``fused=None``) moves every rank to the unfused step, with one
+        warning. Errors other than compile errors are not caught."""
         if self._fused_checked:
             return True
         self._fused_checked = True
+        error = None
         try:
             self._fused.warm_up()
+        except fused_mod.COMPILE_ERRORS as exc:
+            lines = str(exc).strip().splitlines()
+            error = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        failures = self._gather_failures(error)
+        if not failures:
             return True
-        except Exception as exc:  # torch.compile can fail in many ways; the fallback is exact
-            logger.warning("fused optimizer step unavailable (%s: %s); using the unfused step",
-                           type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-            self._fused = None
-            return False
+        where = ", ".join(f"rank {rank}" for rank in failures)
+        reason = next(iter(failures.values()))
+        if self._fused_requested:
+            raise FusedStepUnavailable(f"fused=True cannot be honoured: compiling the fused step failed on {where} "
+                                       f"({reason})")
+        if is_main_process():
+            logger.warning("fused optimizer step unavailable: compiling failed on %s (%s); every rank uses the "
+                           "unfused step", where, reason)
+        self._fused = None
+        return False
+
+    def _gather_failures(self, error: str | None) -> dict[int, str]:
+        """{rank: error} of the ranks whose compile failed, the same on every rank: one
+        small all_gather, and the messages only when something failed."""
+        if not (self.reduce_overflow and get_world_size() > 1):
+            return {0: error} if error is not None else {}
+        group = self.process_group
+        flag = torch.tensor([error is not None], dtype=torch.int32, device=self._groups[0].device)
+        flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(flags, flag, group=group)
+        if not any(bool(f.item()) for f in flags):
+            return {}
+        errors = [None] * len(flags)
+        dist.all_gather_object(errors, error, group=group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(len(errors))
+        return {rank: e for rank, e in zip(ranks, errors) if e is not None}
 
     def _noise(self) -> list[torch.Tensor | None]:
         """Uniform [0, 1) values for stochastic rounding, one per 16-bit weight, from the
@@ -682,3 +754,5 @@ class FP16Optimizer(torch.optim.Optimizer):
                     saved = saved_masters[position[id(m)]]
                     m.copy_(p if saved is None else saved)
                 g.weights.copy_(g.master)
+            for g in self._groups:  # the model was loaded first: its weights are not stale
+                g.mark_synced()

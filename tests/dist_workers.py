@@ -17,6 +17,8 @@ def mlp(seed=0, norm=None):
     layers = [nn.Linear(8, 32)]
     if norm == "bn":
         layers.append(nn.BatchNorm1d(32))
+    elif norm == "ln":  # per sample: the same on a half batch as on the whole one
+        layers.append(nn.LayerNorm(32))
     layers += [nn.ReLU(), nn.Linear(32, 4)]
     return nn.Sequential(*layers)
 
@@ -163,3 +165,197 @@ def log_levels(rank):
     level = logging.getLogger("mpfp16").getEffectiveLevel()
     mdist.teardown()
     return level
+
+
+# ----------------------------------------------------------------- construction orders
+
+ORDER_DTYPES = {"float16": 1024.0, "bfloat16": None, "float32": None}  # dtype -> static loss scale
+
+
+def order_configs():
+    """(dtype, master_weights, accum) for the order matrix; an fp32 model has no masters to drop."""
+    return [(dtype, master, accum) for dtype in ORDER_DTYPES for master in (True, False) for accum in (1, 2)
+            if master or dtype != "float32"]
+
+
+def build_in_order(rank, wrapper, order, dtype, master_weights, seed=None, lr=0.05):
+    """A model and optimizer built the way users write it. ``order``: "ddp_first"
+    (apex's: convert, wrap, then the optimizer over ddp.parameters()) or "opt_first".
+    Each rank starts from its own random weights (seed = rank): DDP's broadcast from
+    rank 0 must reach the fp32 masters in either order."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = mlp(seed=rank if seed is None else seed, norm="ln")
+    if dtype == "float32":
+        mpfp16.flatten_parameters(model)
+    else:
+        mpfp16.to_half(model, getattr(torch, dtype))
+
+    def wrap():
+        if wrapper == "wrap":
+            return mdist.wrap(model)
+        return DDP(model, gradient_as_bucket_view=wrapper == "ddp-bucket-view")
+
+    def optimizer(params):
+        return mpfp16.FP16Optimizer(torch.optim.SGD(params, lr=lr, momentum=0.9),
+                                    loss_scale=ORDER_DTYPES[dtype], master_weights=master_weights)
+
+    if order == "ddp_first":
+        ddp = wrap()
+        opt = optimizer(ddp.parameters())
+    else:
+        opt = optimizer(model.parameters())
+        ddp = wrap()
+    return model, ddp, opt
+
+
+def train_steps(rank, model, ddp, opt, steps, accum, world=2):
+    """``steps`` optimizer steps on this rank's share of each global batch (all of it
+    when ``world`` is 1: the single-process reference); returns the comm stats of each
+    step for a wrap() model."""
+    data = global_batches(steps * accum)
+    stats = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accum):
+            x, y = data[step * accum + micro]
+            with mdist.sync_gradients(ddp, micro == accum - 1):
+                opt.backward(nn.functional.cross_entropy(ddp(shard(x, rank, world)), shard(y, rank, world)) / accum)
+        assert opt.step()
+        if mdist.comm_stats(ddp) is not None:
+            stats.append(mdist.comm_stats(ddp).pop_step())
+    return stats
+
+
+def order_matrix(rank, wrapper, steps):
+    """Every (order, dtype, master_weights, accum) with one DDP flavour; the final
+    parameters and masters of each."""
+    mdist.init(timeout_s=60)
+    out = {}
+    for dtype, master, accum in order_configs():
+        for order in ("ddp_first", "opt_first"):
+            model, ddp, opt = build_in_order(rank, wrapper, order, dtype, master)
+            stats = train_steps(rank, model, ddp, opt, steps, accum)
+            masters = [m.detach().clone() for m in opt.master_params()] if master else []
+            out[(order, dtype, master, accum)] = {"params": flat_params(model), "masters": masters, "stats": stats}
+    mdist.teardown()
+    return out
+
+
+def moved_after_ddp(rank, case):
+    """Parameters that would have to move after DDP holds them: one clear error."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mdist.init(timeout_s=60)
+    model = mlp(norm="ln")
+    if case == "half":
+        model.half()  # converted by hand: not in flat buffers
+    elif case == "to_half-then-move":
+        mpfp16.to_half(model)
+        model.to(memory_format=torch.contiguous_format, dtype=torch.float16)  # re-allocates the fp32 norm params
+    ddp = DDP(model)
+    try:
+        if case == "to_half-after-ddp":
+            mpfp16.to_half(ddp.module)
+        else:
+            mpfp16.FP16Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1))
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    mdist.teardown()
+    return error
+
+
+def compile_fails_on_one_rank(rank, fused):
+    """Rank 1 has no working C++ compiler; rank 0 compiles (skipped here: its warm-up
+    succeeds at once). Auto-fused small model, or fused=True."""
+    import logging
+
+    import torch._inductor.exc
+
+    from mpfp16 import fused as F
+    from mpfp16 import optimizer as O
+
+    mdist.init(timeout_s=60)
+    O.FUSED_MIN_NUMEL = 0
+    if rank == 1:
+        def broken(fn, **static):
+            raise torch._inductor.exc.InvalidCxxCompiler("/bin/false")
+        F.compiled = broken
+    else:
+        F.FusedUpdater.warm_up = lambda self, *a, **k: None
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("mpfp16").addHandler(handler)
+    model, ddp, opt = build_in_order(rank, "wrap", "ddp_first", "float16", True)
+    opt._fused_requested = fused  # as if built with fused=True
+    try:
+        train_steps(rank, model, ddp, opt, 2, 1)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    out = {"fused": opt.fused, "params": flat_params(model), "error": error, "messages": messages}
+    mdist.teardown()
+    return out
+
+
+def perturb_one_rank(rank, where):
+    """Train two steps in sync, then change one value on rank 1 by one ulp (or one
+    optimizer number) and check the replicas."""
+    mdist.init(timeout_s=60)
+    model, ddp, opt = build_in_order(rank, "wrap", "ddp_first", "float16", True, seed=0)
+    train_steps(rank, model, ddp, opt, 2, 1)
+    out = {"clean": mdist.check_replicas(ddp, opt)}
+    if rank == 1:
+        with torch.no_grad():
+            if where == "weight":
+                w = model[0].weight
+                w.view(-1)[5] = torch.nextafter(w.view(-1)[5], torch.tensor(float("inf"), dtype=w.dtype))
+            elif where == "master":
+                m = opt.master_params()[4]
+                m.view(-1)[7] = torch.nextafter(m.view(-1)[7], torch.tensor(float("inf")))
+            elif where == "momentum":
+                buf = opt.state[opt.master_params()[0]]["momentum_buffer"]
+                buf.view(-1)[0] = torch.nextafter(buf.view(-1)[0], torch.tensor(float("-inf")))
+            elif where == "loss_scale":
+                state = opt.scaler.state_dict()
+                opt.scaler.load_state_dict({**state, "scale": state["scale"] * 2})
+            elif where == "lr":
+                opt.param_groups[0]["lr"] = 0.051
+    try:
+        mdist.check_replicas(ddp, opt, context=" at step 2")
+        out["error"] = None
+    except mpfp16.ReplicaDivergenceError as exc:
+        out["error"] = str(exc)
+    mdist.teardown()
+    return out
+
+
+def script_in_own_folder(rank, root, folders, argv, nudge_rank=None):
+    """train_cifar's command line on this rank, run from its own working directory
+    (``root/folders[rank]``): with a relative --checkpoint-dir, the ranks then see
+    different files under one path, as nodes without a shared file system do.
+    On ``nudge_rank``, the first step moves one master weight by one ulp."""
+    import contextlib
+    import io
+
+    from mpfp16 import cli
+
+    if rank == nudge_rank:
+        step = mpfp16.FP16Optimizer.step
+
+        def nudged(self, *args, **kwargs):
+            stepped = step(self, *args, **kwargs)
+            if self.iteration == 1:
+                with torch.no_grad():
+                    m = self.master_params()[0].view(-1)
+                    m[0] = torch.nextafter(m[0], torch.tensor(float("inf")))
+            return stepped
+
+        mpfp16.FP16Optimizer.step = nudged
+    os.chdir(os.path.join(root, folders[rank]))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = cli.run("cifar", argv)
+    return {"status": status, "stderr": err.getvalue()}

@@ -19,13 +19,7 @@ def single_process_params(steps, accum=1):
     """The reference: one process, the whole (concatenated) batch."""
     model = mpfp16.to_half(W.mlp())
     opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), loss_scale=1024.0)
-    data = W.global_batches(steps * accum)
-    for step in range(steps):
-        opt.zero_grad()
-        for micro in range(accum):
-            x, y = data[step * accum + micro]
-            opt.backward(nn.functional.cross_entropy(model(x), y) / accum)
-        assert opt.step()
+    W.train_steps(0, model, model, opt, steps, accum, world=1)
     return W.flat_params(model)
 
 
@@ -154,3 +148,100 @@ def test_nccl_needs_cuda(monkeypatch):
 def test_wrap_needs_a_process_group():
     with pytest.raises(RuntimeError, match="under torchrun"):
         mdist.wrap(nn.Linear(1, 1))
+
+
+# ----------------------------------------------------------------- construction orders
+
+ORDER_STEPS = 3
+
+
+def single_process_reference(dtype, master_weights, accum):
+    """One process, the whole (concatenated) batch, rank 0's initial weights."""
+    model = W.mlp(seed=0, norm="ln")
+    if dtype == "float32":
+        mpfp16.flatten_parameters(model)
+    else:
+        mpfp16.to_half(model, getattr(torch, dtype))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                               loss_scale=W.ORDER_DTYPES[dtype], master_weights=master_weights)
+    W.train_steps(0, model, model, opt, ORDER_STEPS, accum, world=1)
+    return W.flat_params(model)
+
+
+def grad_bytes(dtype):
+    model = W.mlp(norm="ln")
+    if dtype != "float32":
+        mpfp16.to_half(model, getattr(torch, dtype))
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@slow
+@pytest.mark.parametrize("wrapper", ["ddp", "ddp-bucket-view", "wrap"])
+def test_any_construction_order_averages_and_keeps_replicas_identical(tmp_path, wrapper):
+    """apex's order (convert, DDP, optimizer) and the optimizer-first order, for stock
+    DDP (with and without gradient_as_bucket_view) and wrap(), fp16/bf16/fp32, with and
+    without masters, with and without accumulation under no_sync. The ranks start from
+    different weights and see different data."""
+    r0, r1 = run_workers(W.order_matrix, tmp_path, args=(wrapper, ORDER_STEPS), timeout=300)
+    for dtype, master, accum in W.order_configs():
+        case = f"{dtype}, master_weights={master}, accum={accum}"
+        first, second = r0[("ddp_first", dtype, master, accum)], r0[("opt_first", dtype, master, accum)]
+        for order in ("ddp_first", "opt_first"):
+            key = (order, dtype, master, accum)
+            assert torch.equal(r0[key]["params"], r1[key]["params"]), f"{case}, {order}: replicas differ"
+            for a, b in zip(r0[key]["masters"], r1[key]["masters"]):
+                assert torch.equal(a, b), f"{case}, {order}: masters differ"
+            if wrapper == "wrap":  # the hook ran once per optimizer step, over every gradient
+                assert [s["allreduce_bytes"] for s in r0[key]["stats"]] == [grad_bytes(dtype)] * ORDER_STEPS, case
+        assert torch.equal(first["params"], second["params"]), f"{case}: the two orders differ"
+        assert len(first["masters"]) == len(second["masters"])
+        for a, b in zip(first["masters"], second["masters"]):
+            assert torch.equal(a, b), f"{case}: the two orders' masters differ"
+        reference = single_process_reference(dtype, master, accum)
+        tol = {"float32": (1e-5, 1e-6), "float16": (1e-2, 2e-3), "bfloat16": (5e-2, 1e-2)}[dtype]
+        torch.testing.assert_close(first["params"], reference, rtol=tol[0], atol=tol[1], msg=case)
+
+
+@slow
+@pytest.mark.parametrize("case", ["half", "to_half-then-move", "to_half-after-ddp"])
+def test_moving_parameters_that_ddp_holds_is_refused(tmp_path, case):
+    r0, r1 = run_workers(W.moved_after_ddp, tmp_path, args=(case,))
+    assert r0 == r1 and r0 is not None
+    assert "DistributedDataParallel" in r0 and "before wrapping it in DDP" in r0
+    assert "\n" not in r0
+
+
+@slow
+@pytest.mark.parametrize("fused", [None, True], ids=["auto", "fused-true"])
+def test_a_compile_failure_on_one_rank_sends_every_rank_the_same_way(tmp_path, fused):
+    r0, r1 = run_workers(W.compile_fails_on_one_rank, tmp_path, args=(fused,))
+    if fused:
+        assert r0["error"] == r1["error"] == (
+            "fused=True cannot be honoured: compiling the fused step failed on rank 1 (InvalidCxxCompiler: "
+            "Compiler: /bin/false is not found.)")
+        return
+    assert r0["error"] is r1["error"] is None
+    assert not r0["fused"] and not r1["fused"]
+    assert torch.equal(r0["params"], r1["params"])
+    assert [m for m in r0["messages"] if "fused" in m] == [
+        "fused optimizer step unavailable: compiling failed on rank 1 (InvalidCxxCompiler: Compiler: /bin/false "
+        "is not found.); every rank uses the unfused step"]
+    assert not [m for m in r1["messages"] if "fused" in m]
+
+
+# ----------------------------------------------------------------- the replica checker
+
+@slow
+@pytest.mark.parametrize("where,expected", [
+    ("weight", "0.weight differs (rank 0 holds one value, rank 1 another); 1 of 17 tensors differ"),
+    ("master", "master weight of 3.weight differs"),
+    ("momentum", "optimizer state 'momentum_buffer' of 0.weight differs"),
+    ("loss_scale", "optimizer value scaler.scale differs (rank 0: 1024.0, rank 1: 2048.0)"),
+    ("lr", "optimizer value optimizer.param_groups.0.lr differs (rank 0: 0.05, rank 1: 0.051)"),
+])
+def test_a_one_ulp_difference_on_one_rank_is_caught_on_every_rank(tmp_path, where, expected):
+    r0, r1 = run_workers(W.perturb_one_rank, tmp_path, args=(where,))
+    assert r0["clean"] == r1["clean"] > 10  # params, masters, momentum, rng state...
+    assert r0["error"] == r1["error"]
+    assert r0["error"].startswith("replicas diverged at step 2: ")
+    assert expected in r0["error"]

@@ -127,6 +127,31 @@ def test_fused_adam_training_follows_the_reference(kind):
     assert steps == {5.0} and steps == {float(s["step"]) for s in ref.opt.state.values()}
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_param_groups_that_alternate_in_the_buffer(kind):
+    """to_half lays the parameters out in model order, so groups that alternate
+    (weights with decay, biases without) make several segments each; every segment
+    is stepped once, with its group's settings and its own Adam step counters."""
+    def run(fused):
+        model = mpfp16.to_half(tiny_mlp(0))
+        decay = [p for name, p in model.named_parameters() if name.endswith("weight") and p.ndim > 1]
+        rest = [p for name, p in model.named_parameters() if not (name.endswith("weight") and p.ndim > 1)]
+        inner = make_inner(kind, [{"params": decay}, {"params": rest, "weight_decay": 0.0}])
+        opt = mpfp16.FP16Optimizer(inner, loss_scale=256.0, fused=fused)
+        train_mpfp16(model, opt, batches(4))
+        return model, opt
+
+    (fused, opt), (unfused, _) = run(True), run(False)
+    half = next(g for g in opt._groups if g.half)
+    assert [s.group_index for s in half.segments] == [0, 1, 0, 1]
+    if kind == "sgd":
+        assert_same_params(fused, unfused)
+    else:
+        assert {float(s["step"]) for s in opt.state.values()} == {4.0}
+        for p, q in zip(fused.parameters(), unfused.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-6)
+
+
 def test_fused_clipping_is_clip_grad_norm_up_to_fp32_rounding():
     model, ref_model = mpfp16.to_half(tiny_mlp(0)), mpfp16.to_half(tiny_mlp(0))
     opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=128.0, max_grad_norm=0.05,
@@ -187,21 +212,51 @@ def test_no_fp32_gradient_buffer_with_the_fused_step():
                                             "total": 12.0}
 
 
-def test_compile_failure_falls_back_with_one_log_line(monkeypatch, caplog):
+def _break_compiler(monkeypatch, error):
     def broken(fn, **static):
-        raise RuntimeError("no C++ compiler")
+        raise error
 
     monkeypatch.setattr(F, "compiled", broken)
+
+
+def test_compile_failure_under_auto_takes_the_unfused_step_with_one_warning(monkeypatch, caplog):
+    _break_compiler(monkeypatch, torch._inductor.exc.InvalidCxxCompiler())
+    monkeypatch.setattr(mpfp16.optimizer, "FUSED_MIN_NUMEL", 0)  # auto picks the fused step for this small model
     model, ref_model = mpfp16.to_half(tiny_mlp(0)), mpfp16.to_half(tiny_mlp(0))
-    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=64.0, fused=True)
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=64.0)
+    assert opt.fused
     data = batches(3)
     with caplog.at_level(logging.WARNING, logger="mpfp16"):
         train_mpfp16(model, opt, data)
     train_reference(ref_model, "sgd", data, scale=64.0)
     assert not opt.fused
-    assert [r.getMessage() for r in caplog.records].count(
-        "fused optimizer step unavailable (RuntimeError: no C++ compiler); using the unfused step") == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "fused optimizer step unavailable: compiling failed on rank 0 (InvalidCxxCompiler: No working C++ "
+        "compiler found in torch._inductor.config.cpp.cxx: (None, 'g++')); every rank uses the unfused step"]
     assert_same_params(model, ref_model)
+
+
+def test_compile_failure_with_fused_true_is_an_error(monkeypatch):
+    _break_compiler(monkeypatch, torch._inductor.exc.InvalidCxxCompiler())
+    model = mpfp16.to_half(tiny_mlp(0))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=64.0, fused=True)
+    x, y = batches(1)[0]
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    with pytest.raises(RuntimeError, match=r"^fused=True cannot be honoured: compiling the fused step failed on "
+                                           r"rank 0 \(InvalidCxxCompiler: No working C\+\+ compiler"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing was written
+
+
+def test_an_error_that_is_not_a_compile_error_is_not_swallowed(monkeypatch):
+    _break_compiler(monkeypatch, KeyError("a bug"))
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=64.0, fused=True)
+    x, y = batches(1)[0]
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    with pytest.raises(KeyError, match="a bug"):
+        opt.step()
 
 
 def test_which_optimizers_are_fused():

@@ -492,3 +492,49 @@ def test_frozen_parameters_are_left_alone():
     opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1))
     train_mpfp16(model, opt, batches(2))
     assert torch.equal(model[0].weight, frozen)
+
+
+# ----------------------------------------------------------------- placement in flat buffers
+
+
+def test_to_half_places_the_parameters_and_the_optimizer_moves_nothing():
+    model = mpfp16.to_half(tiny_mlp(0))
+    where = [p.data_ptr() for p in model.parameters()]
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 2  # fp16 and fp32 buffers
+    mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert [p.data_ptr() for p in model.parameters()] == where
+    mpfp16.to_half(model)  # again: already in place
+    assert [p.data_ptr() for p in model.parameters()] == where
+
+
+def test_a_parameter_whose_gradient_hook_is_held_is_never_moved():
+    """DDP holds each parameter's gradient accumulator to hook its allreduce on it;
+    moving the parameter would silently cut that hook off."""
+    model = tiny_mlp(0).half()  # converted by hand: not in a flat buffer
+    p = model[0].weight
+    held = p.view_as(p).grad_fn.next_functions[0][0]  # what DDP's reducer keeps
+    with pytest.raises(RuntimeError, match=r"^1 parameters .* would have to move into a flat buffer after "
+                                           r"DistributedDataParallel .* before wrapping it in DDP, or build "
+                                           r"FP16Optimizer before DDP$"):
+        mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    del held
+    mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # nothing holds it now: it may move
+
+
+def test_weights_written_after_the_optimizer_was_built_reach_the_masters():
+    """model.load_state_dict (or DDP's broadcast from rank 0) writes the 16-bit weights
+    after the masters were made: the next step starts from the new weights, exactly as
+    an optimizer built after the write would."""
+    new_weights = mpfp16.to_half(tiny_mlp(1)).state_dict()
+    late = mpfp16.to_half(tiny_mlp(0))
+    late_opt = mpfp16.FP16Optimizer(make_inner("sgd", late.parameters()), loss_scale=64.0)
+    late.load_state_dict(new_weights)
+    early = mpfp16.to_half(tiny_mlp(0))
+    early.load_state_dict(new_weights)
+    early_opt = mpfp16.FP16Optimizer(make_inner("sgd", early.parameters()), loss_scale=64.0)
+    data = batches(3)
+    train_mpfp16(late, late_opt, data)
+    train_mpfp16(early, early_opt, data)
+    assert_same_params(late, early)
+    for a, b in zip(late_opt.master_params(), early_opt.master_params()):
+        assert torch.equal(a, b)

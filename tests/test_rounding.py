@@ -59,15 +59,16 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours(dtype):
     assert torch.all((draws.mean(0)[finite] - x[finite]).abs() <= 0.1 * gap)
 
 
-def test_stochastic_rounding_is_reproducible_and_resumes_exactly():
-    a, _ = small_updates("stochastic", torch.float16, False, steps=50)
-    b, _ = small_updates("stochastic", torch.float16, False, steps=50)
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_rounding_is_reproducible_and_resumes_exactly(rounding):
+    a, _ = small_updates(rounding, torch.float16, False, steps=50)
+    b, _ = small_updates(rounding, torch.float16, False, steps=50)
     assert torch.equal(a, b)
 
     def run(split):
         model = mpfp16.to_half(tiny_mlp(0))
         opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), loss_scale=256.0,
-                                   master_weights=False, rounding="stochastic", rounding_seed=7)
+                                   master_weights=False, rounding=rounding, rounding_seed=7)
         data = batches(6)
         train_mpfp16(model, opt, data[:split])
         buf = io.BytesIO()
@@ -76,7 +77,7 @@ def test_stochastic_rounding_is_reproducible_and_resumes_exactly():
         ckpt = torch.load(buf, weights_only=True)
         model2 = mpfp16.to_half(tiny_mlp(1))
         opt2 = mpfp16.FP16Optimizer(torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9), loss_scale=256.0,
-                                    master_weights=False, rounding="stochastic", rounding_seed=99)
+                                    master_weights=False, rounding=rounding, rounding_seed=99)
         model2.load_state_dict(ckpt["m"])
         opt2.load_state_dict(ckpt["o"])
         train_mpfp16(model2, opt2, data[split:])
