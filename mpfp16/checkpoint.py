@@ -9,6 +9,7 @@ never a torn file.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import random
@@ -21,7 +22,7 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["save_atomic", "copy_atomic", "load", "rng_state", "set_rng_state", "remove_stale_temps"]
+__all__ = ["save_atomic", "copy_atomic", "load", "digest", "rng_state", "set_rng_state", "remove_stale_temps"]
 
 
 def _fsync_dir(folder: str) -> None:
@@ -116,6 +117,19 @@ def load(path: str, map_location="cpu") -> dict:
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a dict")
     return ckpt
+
+
+def digest(path: str) -> str:
+    """A hex digest of the file's bytes: two ranks that read files with equal digests
+    read the same checkpoint."""
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
+    return h.hexdigest()
 
 
 def rng_state() -> dict:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import data as data_mod
 from .comm import STRATEGIES
 from .config import TrainConfig
-from .errors import UserError
+from .errors import FusedStepUnavailable, ReplicaDivergenceError, UserError
 from .schedule import SCHEDULES
 from .scaler import LossScaleStuckError
 
@@ -203,6 +203,9 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                    help="seconds a collective waits for a peer before failing (default: 600)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="where to train (default: cuda when available)")
+    g.add_argument("--check-replicas", type=_non_negative_int, default=100, metavar="N",
+                   help="check that every rank holds bit-identical weights, masters and optimizer state every N "
+                        "optimizer steps, before each checkpoint and at the end; 0: never (default: 100)")
 
     g = p.add_argument_group("checkpoints and logs")
     g.add_argument("--checkpoint-dir", default="checkpoints",
@@ -271,7 +274,7 @@ def run(task: str, argv=None, description: str | None = None) -> int:
     except UserError as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
-    except LossScaleStuckError as exc:
+    except (LossScaleStuckError, ReplicaDivergenceError, FusedStepUnavailable) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

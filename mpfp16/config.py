@@ -53,6 +53,7 @@ class TrainConfig:
     dist_backend: str | None = None
     dist_timeout: float = 600.0
     device: str | None = None
+    check_replicas: int = 100  # optimizer steps between replica checks; 0: never
     # checkpoints and logs
     checkpoint_dir: str = "checkpoints"
     save_every: int = 0

@@ -25,6 +25,7 @@ from . import distributed as mdist
 from . import models
 from .config import TrainConfig
 from .convert import NORM_TYPES, to_half
+from .flat import flatten_parameters
 from .errors import CheckpointError, UserError
 from .metrics import MetricsWriter
 from .optimizer import FP16Optimizer
@@ -94,6 +95,7 @@ class Trainer:
         self.batches_done = 0  # micro-batches of the current epoch already trained on
         self.best_acc1, self.best_epoch = -1.0, None
         self.elapsed_before = 0.0
+        self.replica_checks, self.replica_check_s, self._checked_at = 0, 0.0, None
         self.last_path = os.path.join(cfg.checkpoint_dir, "last.pt")
         self.best_path = os.path.join(cfg.checkpoint_dir, "best.pt")
         self.metrics_path = cfg.metrics or os.path.join(cfg.checkpoint_dir, "metrics.jsonl")
@@ -144,6 +146,8 @@ class Trainer:
         dtype = PRECISION_DTYPES[cfg.precision]
         if dtype != torch.float32:
             to_half(model, dtype)
+        else:
+            flatten_parameters(model)  # as to_half does: nothing moves when DDP wraps the model
         n = sum(p.numel() for p in model.parameters())
         logger.info("model: %s, %.2fM parameters, %s%s", cfg.arch, n / 1e6, cfg.precision,
                     "" if cfg.precision == "fp32" else (" with fp32 master weights" if cfg.master_weights
@@ -186,18 +190,57 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _resume(self) -> None:
+        """Load ``--resume``: rank 0 resolves ``auto`` and every rank loads what rank 0
+        chose; then the ranks check that they read the same file and hold the same
+        state. Ranks that found different checkpoints (no shared file system) stop
+        with one line naming the ranks and files, never a silent divergence."""
         cfg = self.cfg
         path = cfg.resume
         if path == "auto":
             path = self.last_path if os.path.isfile(self.last_path) else None
+            path = mdist.broadcast_object(path)  # rank 0's file system decides
             logger.info("resume auto: %s", f"resuming from {path}" if path else f"no {self.last_path}, starting fresh")
         if path is None:
             if cfg.evaluate:
                 raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
             return
+        try:
+            ckpt = self._read_checkpoint(path)
+            found = {"path": path, "step": ckpt.get("step"), "error": None,
+                     "digest": ckpt_io.digest(path) if self.info.distributed else None}
+        except CheckpointError as exc:
+            ckpt, found = None, {"path": path, "error": str(exc)}
+        self._agree_on_checkpoint(mdist.all_gather_object(found))
+        self._load(path, ckpt)
+        mdist.check_replicas(self.model, self.opt, context=f" after resuming from {path}")
+        logger.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
+
+    @staticmethod
+    def _read_checkpoint(path: str) -> dict:
         ckpt = ckpt_io.load(path, map_location="cpu")  # RNG states must stay CPU tensors
         if ckpt.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path} is not an mpfp16 training checkpoint (no 'format': '{CHECKPOINT_FORMAT}')")
+        return ckpt
+
+    @staticmethod
+    def _agree_on_checkpoint(found: list[dict]) -> None:
+        """Every rank read a checkpoint, and the same one (by content)."""
+        failed = [(rank, f) for rank, f in enumerate(found) if f["error"] is not None]
+        if failed:
+            rank, f = failed[0]
+            if len(found) == 1:
+                raise CheckpointError(f["error"])
+            readers = [r for r, g in enumerate(found) if g["error"] is None]
+            also = f" (rank {readers[0]} read it)" if readers else ""
+            raise CheckpointError(f"cannot resume on every rank: rank {rank}: {f['error']}{also}")
+        if len({f["digest"] for f in found}) > 1:
+            files = ", ".join(f"rank {rank} read {f['path']} (step {f['step']}, content {f['digest'][:12]})"
+                              for rank, f in enumerate(found))
+            raise CheckpointError(f"the ranks found different checkpoints: {files}; every rank must read the same "
+                                  "file (a shared file system, or rank 0's checkpoint copied to every node)")
+
+    def _load(self, path: str, ckpt: dict) -> None:
+        cfg = self.cfg
         try:
             self.model.load_state_dict(ckpt["model"])
         except (RuntimeError, KeyError, TypeError) as exc:
@@ -219,16 +262,22 @@ class Trainer:
         else:
             logger.warning("checkpoint was written by %d processes, this run has %d: resuming, but not "
                            "bit-identically (data order and RNG streams differ)", len(rngs), self.info.world_size)
-        logger.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
+
+    def check_replicas(self) -> None:
+        """Compare weights, masters and optimizer state across ranks (every
+        ``--check-replicas`` steps, before each checkpoint, at the end). BatchNorm
+        statistics are rank 0's first, as DDP makes them at the next forward."""
+        if not (self.info.distributed and self.cfg.check_replicas) or self._checked_at == self.step:
+            return
+        started = time.perf_counter()
+        mdist.broadcast_buffers(self.model)
+        mdist.check_replicas(self.model, self.opt, context=f" at step {self.step}")
+        self._checked_at = self.step
+        self.replica_checks += 1
+        self.replica_check_s += time.perf_counter() - started
 
     def _checkpoint(self) -> dict:
-        rng = ckpt_io.rng_state()
-        if self.info.distributed:
-            gathered = [None] * self.info.world_size
-            dist.all_gather_object(gathered, rng)
-            rng = gathered
-        else:
-            rng = [rng]
+        rng = mdist.all_gather_object(ckpt_io.rng_state())
         return {
             "format": CHECKPOINT_FORMAT,
             "model": self.model.state_dict(),
@@ -247,6 +296,7 @@ class Trainer:
     def save(self, best: bool = False) -> None:
         """Write DIR/last.pt (and DIR/best.pt): every rank takes part (RNG states are
         gathered), rank 0 writes."""
+        self.check_replicas()  # never save a state the ranks do not share
         state = self._checkpoint()
         if self.main:
             ckpt_io.save_atomic(state, self.last_path)
@@ -323,6 +373,8 @@ class Trainer:
                 window_start, window_loss, window_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
                 self.save()
+            elif cfg.check_replicas and self.step % cfg.check_replicas == 0:
+                self.check_replicas()
         bar.close()
         epoch_loss = self._mean_across_ranks(epoch_loss / max(1, epoch_steps))
         if self.batches_done // cfg.accum_steps >= self.steps_per_epoch:
@@ -404,9 +456,7 @@ class Trainer:
         """Loss and top-1/top-5 accuracy over the whole validation split, sharded across
         ranks and summed, so every sample counts once."""
         model = self.model  # not the DDP wrapper: ranks may run different numbers of batches
-        if self.info.distributed:
-            for buf in model.buffers():  # BatchNorm statistics: rank 0's, as DDP does at forward
-                dist.broadcast(buf, src=0)
+        mdist.broadcast_buffers(model)  # BatchNorm statistics: rank 0's, as DDP does at forward
         model.eval()
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, top1, top5, count
         loader = data_mod.make_loader(self.spec.val, self.val_sampler, self.cfg.batch_size, self.cfg.workers,
@@ -429,16 +479,21 @@ class Trainer:
                 "val_samples": int(count)}
 
     def finish(self) -> dict:
+        self.check_replicas()  # nothing, when the last checkpoint already checked this step
         wall = self.elapsed()
         summary = {"type": "final", "step": self.step, "epoch": self.epoch, "best_acc1": self.best_acc1,
                    "best_epoch": self.best_epoch, "skipped_steps": self.opt.skipped_steps,
                    "loss_scale": self.opt.loss_scale, "wall_s": wall, "checkpoint": self.last_path,
-                   "best_checkpoint": self.best_path, "metrics": self.metrics_path}
+                   "best_checkpoint": self.best_path, "metrics": self.metrics_path,
+                   "replica_checks": self.replica_checks, "replica_check_s": self.replica_check_s}
         if self.main:
             self.metrics.write(summary)
         self.metrics.close()
         logger.info("done: best val acc1 %.2f%% (epoch %s) in %s, %d steps, %d skipped", self.best_acc1,
                     self.best_epoch, _fmt_time(wall), self.step, self.opt.skipped_steps)
+        if self.replica_checks:
+            logger.info("replicas: identical at %d checks, which took %.2fs (%.2f%% of the run)", self.replica_checks,
+                        self.replica_check_s, 100 * self.replica_check_s / max(wall, 1e-9))
         logger.info("checkpoint: %s (best: %s)", self.last_path, self.best_path)
         logger.info("metrics: %s", self.metrics_path)
         return summary

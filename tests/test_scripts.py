@@ -213,6 +213,23 @@ def test_empty_imagefolder_and_unknown_arch(tmp_path, capsys):
     assert status == 2 and "unknown torchvision arch 'resnet5000'" in err
 
 
+def test_fused_on_that_cannot_compile_is_one_line(cifar_root, tmp_path, capsys, monkeypatch):
+    import torch._inductor.exc
+
+    from mpfp16 import fused
+
+    def broken(fn, **static):
+        raise torch._inductor.exc.InvalidCxxCompiler()
+
+    monkeypatch.setattr(fused, "compiled", broken)
+    status, err = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--max-steps", "2", "--fused", "on",
+                                              "--checkpoint-dir", str(tmp_path)], capsys)
+    assert status == 1
+    assert err == ("error: fused=True cannot be honoured: compiling the fused step failed on rank 0 "
+                   "(InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx: "
+                   "(None, 'g++'))\n")
+
+
 @pytest.mark.parametrize("argv", [["--epochs", "0"], ["--lr", "-1"], ["--loss-scale", "huge"],
                                   ["--precision", "fp8"], ["--precision", "bf16", "--loss-scale", "128"]])
 def test_bad_flags_are_argparse_errors(capsys, argv):
@@ -257,3 +274,67 @@ def test_imagenet_under_torchrun(imagenet_root, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [r for r in records(tmp_path / "metrics.jsonl") if r["type"] == "eval"]
     assert evals[-1]["val_samples"] == 9  # 9 images sharded 5 + 4, each counted once
+
+
+# ----------------------------------------------------------------- one resume decision
+
+@pytest.mark.slow
+def test_ranks_must_resume_from_the_same_checkpoint(cifar_root, tmp_path):
+    """Each rank runs in its own folder with --checkpoint-dir ckpt: one path, a file per
+    "node". Identical copies resume; a different or missing copy is one line on every
+    rank, naming the ranks and the files."""
+    import shutil
+
+    import dist_workers as W
+    from dist_helpers import run_workers
+
+    def run(folders, *extra):
+        argv = [cifar_root, *TINY_CIFAR, "--checkpoint-dir", "ckpt", "--check-replicas", "2", *extra]
+        for folder in set(folders):
+            (tmp_path / folder).mkdir(exist_ok=True)
+        return run_workers(W.script_in_own_folder, tmp_path / "out", args=(str(tmp_path), folders, argv),
+                           timeout=240)
+
+    assert [r["status"] for r in run(["a", "a"], "--max-steps", "2")] == [0, 0]
+    assert [r["status"] for r in run(["b", "b"], "--max-steps", "3", "--seed", "1")] == [0, 0]
+
+    def place(folder, source):
+        (tmp_path / folder / "ckpt").mkdir(parents=True)
+        shutil.copy(tmp_path / source / "ckpt" / "last.pt", tmp_path / folder / "ckpt" / "last.pt")
+
+    place("same0", "a"), place("same1", "a")
+    r0, r1 = run(["same0", "same1"], "--max-steps", "4", "--resume", "auto")
+    assert r0["status"] == r1["status"] == 0, r0["stderr"][-2000:] + r1["stderr"][-2000:]
+    final = records(tmp_path / "same0" / "ckpt" / "metrics.jsonl")[-1]
+    assert final["step"] == 4 and final["replica_checks"] == 1  # at step 4; the save after it reuses it
+
+    place("diff0", "a"), place("diff1", "b")
+    r0, r1 = run(["diff0", "diff1"], "--max-steps", "4", "--resume", "auto")
+    assert r0["status"] == r1["status"] == 2
+    assert r0["stderr"] == r1["stderr"]
+    line = r0["stderr"].strip()
+    assert "\n" not in line
+    assert line.startswith("error: the ranks found different checkpoints: rank 0 read ckpt/last.pt (step 2, content ")
+    assert "rank 1 read ckpt/last.pt (step 3, content " in line
+
+    place("miss0", "a"), (tmp_path / "miss1").mkdir()
+    r0, r1 = run(["miss0", "miss1"], "--max-steps", "4", "--resume", "auto")
+    assert r0["status"] == r1["status"] == 2
+    assert r0["stderr"] == r1["stderr"] == ("error: cannot resume on every rank: rank 1: checkpoint ckpt/last.pt "
+                                             "does not exist (rank 0 read it)\n")
+
+
+@pytest.mark.slow
+def test_a_rank_that_drifts_stops_the_run_with_one_line(cifar_root, tmp_path):
+    import dist_workers as W
+    from dist_helpers import run_workers
+
+    argv = [cifar_root, *TINY_CIFAR, "--max-steps", "4", "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--check-replicas", "2"]
+    r0, r1 = run_workers(W.script_in_own_folder, tmp_path / "out", args=(str(tmp_path), [".", "."], argv, 1),
+                         timeout=240)
+    assert r0["status"] == r1["status"] == 1
+    assert r0["stderr"] == r1["stderr"]
+    assert r0["stderr"].startswith("error: replicas diverged at step 2: master weight of ")
+    assert r0["stderr"].count("\n") == 1
+    assert not (tmp_path / "ckpt" / "last.pt").exists()  # nothing diverged was saved
