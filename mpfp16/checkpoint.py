@@ -22,7 +22,8 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["save_atomic", "copy_atomic", "load", "digest", "rng_state", "set_rng_state", "remove_stale_temps"]
+__all__ = ["save_atomic", "copy_atomic", "load", "digest", "check_same_everywhere", "describe_mismatch", "rng_state",
+           "set_rng_state", "remove_stale_temps"]
 
 
 def _fsync_dir(folder: str) -> None:
@@ -97,8 +98,18 @@ def load(path: str, map_location="cpu") -> dict:
         CheckpointError: the file is missing, truncated or corrupt, holds pickled
             Python objects (refused, never executed), or is not a dict.
     """
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} is a folder: pass a checkpoint file such as "
+                              f"{os.path.join(path, 'last.pt')}, or --resume auto with --checkpoint-dir {path}")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
+    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or its legacy pickle
+        raise CheckpointError(f"checkpoint {path} is not a torch.save file (it starts with {head!r})")
     try:
         with warnings.catch_warnings():  # garbage may look like an unusual pickle protocol
             warnings.simplefilter("ignore")
@@ -146,3 +157,45 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_same_everywhere(found: list[dict]) -> None:
+    """Raise unless every rank read a checkpoint, and the same one.
+
+    Args:
+        found: per rank, in rank order, ``{"path", "error"}`` and, when it was read,
+            ``{"step", "digest"}`` (:func:`digest` of the file).
+
+    Raises:
+        CheckpointError: one line naming the ranks, the files and their steps.
+    """
+    failed = [(rank, f) for rank, f in enumerate(found) if f["error"] is not None]
+    if failed:
+        rank, f = failed[0]
+        if len(found) == 1:
+            raise CheckpointError(f["error"])
+        readers = [r for r, g in enumerate(found) if g["error"] is None]
+        also = f" (rank {readers[0]} read it)" if readers else ""
+        raise CheckpointError(f"cannot resume on every rank: rank {rank}: {f['error']}{also}")
+    if len({f["digest"] for f in found}) > 1:
+        files = ", ".join(f"rank {rank} read {f['path']} (step {f['step']}, content {f['digest'][:12]})"
+                          for rank, f in enumerate(found))
+        raise CheckpointError(f"the ranks found different checkpoints: {files}; every rank must read the same "
+                              "file (a shared file system, or rank 0's checkpoint copied to every node)")
+
+
+def describe_mismatch(mine: dict, saved: dict) -> str:
+    """Which keys and shapes differ between two model state_dicts, in one line."""
+    missing = [k for k in mine if k not in saved]
+    unexpected = [k for k in saved if k not in mine]
+    reshaped = [k for k in mine if k in saved and torch.is_tensor(saved[k]) and saved[k].shape != mine[k].shape]
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of its tensors missing (first {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unknown here (first {unexpected[0]})")
+    if reshaped:
+        k = reshaped[0]
+        parts.append(f"{len(reshaped)} of another shape (first {k}: {list(saved[k].shape)} saved, "
+                     f"{list(mine[k].shape)} here)")
+    return ", ".join(parts) or "the tensors do not load"

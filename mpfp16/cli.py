@@ -19,6 +19,7 @@ from . import data as data_mod
 from .comm import STRATEGIES
 from .config import TrainConfig
 from .errors import FusedStepUnavailable, ReplicaDivergenceError, UserError
+from .preemption import Stopped
 from .schedule import SCHEDULES
 from .scaler import LossScaleStuckError
 
@@ -38,7 +39,7 @@ DEFAULTS = {
 }
 
 
-def _int_at_least(minimum: int):
+def _int_at_least(minimum: int, maximum: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -46,23 +47,31 @@ def _int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
     return parse
 
 
 _positive_int = _int_at_least(1)
+MIN_IMAGE_SIZE = 8  # below it, torchvision's antialiased resize of the validation images fails
+MAX_IMAGE_SIZE = 4096
 _non_negative_int = _int_at_least(0)
 
 
 def _float_in(low: float, high: float, low_open: bool = False):
+    if high == math.inf:
+        wanted = "a positive finite number" if low_open and low == 0 else f"a finite number >= {low:g}"
+    else:
+        wanted = f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
         if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
-            bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"must be a finite number in {bound}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
         return value
     return parse
 
@@ -88,8 +97,9 @@ def _resize_phases(text: str) -> list[tuple[int, int]]:
     phases = []
     for part in text.split(","):
         match = re.fullmatch(r"\s*(\d+):(\d+)\s*", part)
-        if not match or int(match.group(2)) < 8:
-            raise argparse.ArgumentTypeError(f"expected EPOCH:SIZE[,EPOCH:SIZE...] with sizes >= 8, got {text!r}")
+        if not match or not MIN_IMAGE_SIZE <= int(match.group(2)) <= MAX_IMAGE_SIZE:
+            raise argparse.ArgumentTypeError(f"expected EPOCH:SIZE[,EPOCH:SIZE...] with sizes from {MIN_IMAGE_SIZE} "
+                                             f"to {MAX_IMAGE_SIZE}, got {text!r}")
         phases.append((int(match.group(1)), int(match.group(2))))
     if [p[0] for p in phases] != sorted({p[0] for p in phases}):
         raise argparse.ArgumentTypeError(f"phase start epochs must increase, got {text!r}")
@@ -122,7 +132,8 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
     g.add_argument("-j", "--workers", type=_non_negative_int, default=0 if cifar else 4,
                    help=f"data loading processes per training process (default: {0 if cifar else 4})")
     if not cifar:
-        g.add_argument("--image-size", type=_positive_int, default=224, help="training crop size (default: 224)")
+        g.add_argument("--image-size", type=_int_at_least(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE), default=224,
+                       help=f"training crop size, {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE} (default: 224)")
         g.add_argument("--bad-images", choices=data_mod.BAD_IMAGE_POLICIES, default="fail",
                        help="an image that fails to decode: fail the run, or skip it with a warning naming "
                             "the file (default: fail)")
@@ -213,7 +224,14 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
     g.add_argument("--save-every", type=_non_negative_int, default=0,
                    help="also save every N optimizer steps; 0: only at the end of each epoch (default: 0)")
     g.add_argument("--resume", default=None, metavar="PATH|auto",
-                   help="resume from a checkpoint; auto: DIR/last.pt if it exists (default: start fresh)")
+                   help="resume from a checkpoint; auto: DIR/last.pt if it exists (default: start fresh, which "
+                        "refuses to replace the checkpoints of an earlier run in DIR)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start fresh even where DIR holds an earlier run's checkpoints and metrics, replacing them "
+                        "(default: off)")
+    g.add_argument("--allow-changed-config", action="store_true",
+                   help="resume even if settings that decide the sample order, the schedule or the step differ "
+                        "from the checkpoint's; the run is then no longer bit-identical (default: off)")
     g.add_argument("--metrics", default=None, metavar="PATH",
                    help="JSON-lines metrics file (default: DIR/metrics.jsonl)")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -241,6 +259,8 @@ def config_from_args(task: str, args: argparse.Namespace, parser: argparse.Argum
         parser.error(f"--rounding {args.rounding} needs --no-master-weights")
     if args.evaluate and args.resume is None:
         parser.error("--evaluate needs --resume PATH (or auto)")
+    if args.overwrite and args.resume is not None:
+        parser.error("--overwrite starts a new run in place of the old one; it cannot be combined with --resume")
     if task == "cifar":
         values.setdefault("image_size", 32)
     return TrainConfig(task=task, **values)
@@ -277,7 +297,11 @@ def run(task: str, argv=None, description: str | None = None) -> int:
     except (LossScaleStuckError, ReplicaDivergenceError, FusedStepUnavailable) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except Stopped as exc:
+        if exc.announce:
+            print(exc, file=sys.stderr)
+        return exc.exit_status
+    except KeyboardInterrupt:  # before the handlers of mpfp16/preemption.py were installed
         print("interrupted", file=sys.stderr)
         return 130
     except (dist.DistError, RuntimeError) as exc:

@@ -5,7 +5,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "FREE_ON_RESUME"]
+
+# Settings that change neither the sample order, the schedule nor the result of a
+# step: where the data lives and how it is read, how often to log, save and check,
+# where things go, and how the step is computed (fused or not, memory format, device,
+# DDP bucket size), never what it computes.
+FREE_ON_RESUME = frozenset({
+    "data", "workers", "bad_images", "max_steps", "channels_last", "fused", "bucket_mb", "dist_backend",
+    "dist_timeout", "device", "check_replicas", "checkpoint_dir", "save_every", "resume", "metrics", "tensorboard",
+    "print_freq", "progress", "evaluate", "overwrite", "allow_changed_config",
+})
 
 
 @dataclass
@@ -63,6 +73,17 @@ class TrainConfig:
     print_freq: int = 10
     progress: bool = True
     evaluate: bool = False
+    overwrite: bool = False  # a fresh run may replace the checkpoints and metrics already in checkpoint_dir
+    allow_changed_config: bool = False  # resume even where the settings that give the run its meaning changed
+
+    def changed_on_resume(self, saved: dict) -> list[tuple[str, object, object]]:
+        """(name, saved value, value now) for each setting whose change would make a
+        resumed run differ from an uninterrupted one: the sample order, the schedule,
+        the model, the optimizer, the numerics. Settings in :data:`FREE_ON_RESUME`
+        may change; a setting the checkpoint does not record is not compared."""
+        now = self.as_dict()
+        return [(name, saved[name], now[name]) for name in now
+                if name not in FREE_ON_RESUME and name in saved and saved[name] != now[name]]
 
     def as_dict(self) -> dict:
         """Plain values only (for checkpoints and the metrics file)."""

@@ -209,9 +209,22 @@ class ImageFolderSplit(Dataset):
         self.classes = index.classes
         self.class_to_idx = index.class_to_idx
         self.transform, self.seed, self.bad_images = transform, seed, bad_images
-        self._warned: set[str] = set()  # each bad file is reported once per process
         if not self.samples:
             raise DataError(f"{folder} holds no images")
+        # Which bad files were reported, shared with the data loader's worker processes
+        # (new ones every epoch), so that each is reported once per run.
+        self._warned = torch.zeros(len(self.samples), dtype=torch.bool).share_memory_()
+        self._first_image()
+
+    def _first_image(self) -> None:
+        """Decode an image now, before training, so that a folder of files that are not
+        images is reported as such, not as a batch-size problem later."""
+        try:
+            self._decode(self.samples[0][0])
+        except DataError:
+            if self.bad_images == "fail":
+                raise
+            self._load(0)  # skip: some image of the split must decode
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -223,21 +236,24 @@ class ImageFolderSplit(Dataset):
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             raise DataError(f"cannot decode image {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
 
-    def __getitem__(self, key):
-        epoch, index = key
+    def _load(self, index: int) -> tuple[torch.Tensor, int]:
+        """Sample ``index``, or with ``bad_images="skip"`` the next one that decodes."""
         for attempt in range(len(self.samples)):
-            path, label = self.samples[(index + attempt) % len(self.samples)]
+            position = (index + attempt) % len(self.samples)
+            path, label = self.samples[position]
             try:
-                image = self._decode(path)
-                break
+                return self._decode(path), label
             except DataError as exc:
                 if self.bad_images == "fail":
                     raise
-                if path not in self._warned:
-                    self._warned.add(path)
+                if not self._warned[position]:
+                    self._warned[position] = True
                     logger.warning("skipping %s", exc)
-        else:
-            raise DataError(f"no image of {len(self.samples)} in the split decodes")
+        raise DataError(f"no image of the {len(self.samples)} in {os.path.dirname(os.path.dirname(path))} decodes")
+
+    def __getitem__(self, key):
+        epoch, index = key
+        image, label = self._load(index)
         return _apply_transform(self.transform, image, sample_seed(self.seed, epoch, index)), label
 
 

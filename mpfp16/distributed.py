@@ -135,8 +135,8 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, devic
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, store=_attempt_store(rank, world_size, timeout), rank=rank,
                             world_size=world_size, timeout=timeout, **kwargs)
-    logger.info("distributed: %d processes, backend %s, device %s, timeout %gs", world_size, backend,
-                dev.type, timeout_s)
+    logger.info("distributed: %d process%s, backend %s, device %s, timeout %gs", world_size,
+                "" if world_size == 1 else "es", backend, dev.type, timeout_s)
     return DistInfo(rank, world_size, local_rank, dev, backend)
 
 
@@ -159,29 +159,30 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     return dist.PrefixStore(f"mpfp16/attempt-{attempt}/", store)
 
 
-class _RankFilter(logging.Filter):
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self.rank = rank
-
+class _BelowWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = self.rank
-        return True
+        return record.levelno < logging.WARNING
 
 
 def _configure_logging(rank: int, level: int) -> None:
-    """One handler on the ``mpfp16`` logger, writing to stdout: rank 0 at ``level``,
-    other ranks at WARNING, each line tagged with its rank when it is not 0."""
+    """Handlers on the ``mpfp16`` logger: progress to stdout, warnings and errors to
+    stderr. Rank 0 logs at ``level``, other ranks at WARNING; each line of a rank
+    other than 0 is tagged with it."""
     log = logging.getLogger("mpfp16")
     for handler in list(log.handlers):
         if getattr(handler, "_mpfp16", False):
             log.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stdout)
-    handler._mpfp16 = True
-    handler.addFilter(_RankFilter(rank))
-    handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(message)s" if rank
-                                           else "%(message)s"))
-    log.addHandler(handler)
+    tag = f"[rank {rank}] " if rank else ""
+    for stream, fmt, only_below_warning in ((sys.stdout, f"{tag}%(message)s", True),
+                                            (sys.stderr, f"{tag}%(levelname)s: %(message)s", False)):
+        handler = logging.StreamHandler(stream)
+        handler._mpfp16 = True
+        if only_below_warning:
+            handler.addFilter(_BelowWarning())
+        else:
+            handler.setLevel(logging.WARNING)
+        handler.setFormatter(logging.Formatter(fmt))
+        log.addHandler(handler)
     log.setLevel(level if rank == 0 else logging.WARNING)
     log.propagate = False
 

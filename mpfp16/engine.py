@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import time
 
@@ -22,13 +23,14 @@ from tqdm import tqdm
 from . import checkpoint as ckpt_io
 from . import data as data_mod
 from . import distributed as mdist
-from . import models
+from . import models, rundir
 from .config import TrainConfig
 from .convert import NORM_TYPES, to_half
-from .flat import flatten_parameters
 from .errors import CheckpointError, UserError
+from .flat import flatten_parameters
 from .metrics import MetricsWriter
 from .optimizer import FP16Optimizer
+from .preemption import StopSignals, Stopped
 from .schedule import lr_multiplier
 
 __all__ = ["Trainer", "train"]
@@ -63,13 +65,28 @@ def param_groups(model: nn.Module, weight_decay: float, no_bn_wd: bool) -> list[
 class Trainer:
     """Everything one training run holds. ``fit()`` runs it."""
 
-    def __init__(self, cfg: TrainConfig, info: mdist.DistInfo) -> None:
+    def __init__(self, cfg: TrainConfig, info: mdist.DistInfo, signals: StopSignals | None = None) -> None:
         self.cfg, self.info = cfg, info
         self.device = info.device
         self.main = info.is_main_process
+        self.signals = signals
         torch.manual_seed(cfg.seed)
 
         models.check_arch(cfg.task, cfg.arch)  # before loading data, which can take long
+        models.check_image_sizes(cfg.task, cfg.arch, [cfg.image_size] + [size for _, size in cfg.resize_phases])
+        self.last_path = os.path.join(cfg.checkpoint_dir, "last.pt")
+        self.best_path = os.path.join(cfg.checkpoint_dir, "best.pt")
+        self.metrics_path = cfg.metrics or os.path.join(cfg.checkpoint_dir, "metrics.jsonl")
+        self.lock = self._claim_run_dir()  # before any data is loaded or any kernel compiled
+        try:
+            self._build(cfg, info)
+        except BaseException:
+            self.release()
+            raise
+
+    def _build(self, cfg: TrainConfig, info: mdist.DistInfo) -> None:
+        # A CPU group for the stop flag, so that agreeing on it never waits on a GPU stream.
+        self.control_group = dist.new_group(backend="gloo") if info.backend == "nccl" else None
         self.spec = self._build_data()
         self.model = self._build_model()
         self.opt = self._build_optimizer()
@@ -96,15 +113,70 @@ class Trainer:
         self.best_acc1, self.best_epoch = -1.0, None
         self.elapsed_before = 0.0
         self.replica_checks, self.replica_check_s, self._checked_at = 0, 0.0, None
-        self.last_path = os.path.join(cfg.checkpoint_dir, "last.pt")
-        self.best_path = os.path.join(cfg.checkpoint_dir, "best.pt")
-        self.metrics_path = cfg.metrics or os.path.join(cfg.checkpoint_dir, "metrics.jsonl")
+        self._saved_at = None
+        self._resume()
+        self.metrics = MetricsWriter(self.metrics_path, self.main, cfg.tensorboard, truncate=cfg.overwrite)
+
+    def release(self) -> None:
+        """Let go of the run directory's lock (the OS does it too when the process ends)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    # ------------------------------------------------------------------ the run directory
+
+    def _claim_run_dir(self) -> rundir.RunLock | None:
+        """Rank 0 checks every place the run writes to, refuses to replace an earlier
+        run, and locks the checkpoint directory; every rank gets rank 0's verdict."""
+        lock, error = None, None
         if self.main:
+            try:
+                lock = self._check_run_dir()
+            except UserError as exc:
+                error = str(exc)
+            except OSError as exc:  # removing the old run's files for --overwrite, say
+                error = f"cannot prepare {self.cfg.checkpoint_dir}: {exc.strerror or exc}"
+        error = mdist.broadcast_object(error)
+        if error is not None:
+            raise UserError(error)
+        return lock
+
+    def _check_run_dir(self) -> rundir.RunLock | None:
+        cfg = self.cfg
+        rundir.check_folder(cfg.checkpoint_dir, "checkpoint directory")
+        rundir.check_file(self.metrics_path, "metrics file")
+        if cfg.tensorboard:
+            rundir.check_folder(cfg.tensorboard, "TensorBoard directory")
+        if cfg.evaluate:  # writes no checkpoint
+            return None
+        lock = rundir.RunLock(cfg.checkpoint_dir)
+        try:
+            earlier = self._earlier_run()
+            if earlier and not cfg.overwrite:
+                raise UserError(f"{cfg.checkpoint_dir} holds an earlier run ({', '.join(earlier)}): continue it with "
+                                "--resume auto, start elsewhere with another --checkpoint-dir, or replace it with "
+                                "--overwrite")
+            for path in earlier:  # --overwrite: the metrics file is truncated when it is opened
+                if path != self.metrics_path:
+                    os.unlink(path)
             stale = ckpt_io.remove_stale_temps(cfg.checkpoint_dir)
             if stale:
                 logger.info("removed %d unfinished checkpoint writes from %s", len(stale), cfg.checkpoint_dir)
-        self._resume()
-        self.metrics = MetricsWriter(self.metrics_path, self.main, cfg.tensorboard)
+        except BaseException:
+            lock.release()
+            raise
+        return lock
+
+    def _earlier_run(self) -> list[str]:
+        """The files of an earlier run that this run would replace: none when it
+        continues the run in its folder, its checkpoints when it starts from another
+        one, and its metrics too when it starts fresh."""
+        resume = self.cfg.resume
+        if resume == "auto" and os.path.isfile(self.last_path):
+            return []
+        if resume not in (None, "auto") and os.path.isfile(resume) and os.path.isfile(self.last_path) \
+                and os.path.samefile(resume, self.last_path):
+            return []
+        return rundir.existing_run(self.cfg.checkpoint_dir, self.metrics_path if resume is None else None)
 
     # ------------------------------------------------------------------ building
 
@@ -210,8 +282,9 @@ class Trainer:
                      "digest": ckpt_io.digest(path) if self.info.distributed else None}
         except CheckpointError as exc:
             ckpt, found = None, {"path": path, "error": str(exc)}
-        self._agree_on_checkpoint(mdist.all_gather_object(found))
-        self._load(path, ckpt)
+        ckpt_io.check_same_everywhere(mdist.all_gather_object(found))
+        changes = [] if cfg.evaluate else self._changed_settings(path, ckpt)
+        self._load(path, ckpt, changes)
         mdist.check_replicas(self.model, self.opt, context=f" after resuming from {path}")
         logger.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
 
@@ -222,34 +295,49 @@ class Trainer:
             raise CheckpointError(f"{path} is not an mpfp16 training checkpoint (no 'format': '{CHECKPOINT_FORMAT}')")
         return ckpt
 
-    @staticmethod
-    def _agree_on_checkpoint(found: list[dict]) -> None:
-        """Every rank read a checkpoint, and the same one (by content)."""
-        failed = [(rank, f) for rank, f in enumerate(found) if f["error"] is not None]
-        if failed:
-            rank, f = failed[0]
-            if len(found) == 1:
-                raise CheckpointError(f["error"])
-            readers = [r for r, g in enumerate(found) if g["error"] is None]
-            also = f" (rank {readers[0]} read it)" if readers else ""
-            raise CheckpointError(f"cannot resume on every rank: rank {rank}: {f['error']}{also}")
-        if len({f["digest"] for f in found}) > 1:
-            files = ", ".join(f"rank {rank} read {f['path']} (step {f['step']}, content {f['digest'][:12]})"
-                              for rank, f in enumerate(found))
-            raise CheckpointError(f"the ranks found different checkpoints: {files}; every rank must read the same "
-                                  "file (a shared file system, or rank 0's checkpoint copied to every node)")
+    def _run_facts(self) -> dict:
+        """What the run's meaning depends on besides its flags."""
+        return {"processes": self.info.world_size, "training images": len(self.spec.train)}
 
-    def _load(self, path: str, ckpt: dict) -> None:
+    def _changed_settings(self, path: str, ckpt: dict) -> list[tuple[str, object, object]]:
+        """The settings that differ from the checkpoint's, refused unless
+        ``--allow-changed-config``: the saved position counts batches and the
+        schedule counts steps, so a changed batch, epoch count or lr would silently
+        skip or repeat samples and bend the schedule."""
+        saved = ckpt.get("config")
+        saved = saved if isinstance(saved, dict) else {}
+        run = ckpt.get("run") if isinstance(ckpt.get("run"), dict) else {"processes": len(ckpt.get("rng", ()))}
+        changes = self.cfg.changed_on_resume(saved)
+        changes += [(name, run[name], now) for name, now in self._run_facts().items()
+                    if name in run and run[name] != now]
+        if not changes:
+            return []
+        listed = ", ".join(f"{name} {old} -> {new}" for name, old, new in changes)
+        if not self.cfg.allow_changed_config:
+            raise UserError(f"checkpoint {path} was saved with other settings ({listed}): resume with the same "
+                            "ones, or pass --allow-changed-config to continue anyway, no longer bit-identically")
+        logger.warning("resuming %s with changed settings (%s): the run is no longer bit-identical to an "
+                       "uninterrupted one", path, listed)
+        return changes
+
+    def _load(self, path: str, ckpt: dict, changes: list) -> None:
         cfg = self.cfg
+        saved_cfg = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
         try:
             self.model.load_state_dict(ckpt["model"])
-        except (RuntimeError, KeyError, TypeError) as exc:
-            saved = ckpt.get("config", {}).get("arch", "?")
-            raise CheckpointError(f"checkpoint {path} (arch {saved}) does not fit this model (arch {cfg.arch}): "
-                                  f"{str(exc).strip().splitlines()[0]}") from None
+        except (RuntimeError, KeyError, TypeError, AttributeError):
+            saved = ckpt.get("model")
+            why = ckpt_io.describe_mismatch(self.model.state_dict(), saved) if isinstance(saved, dict) else "no model"
+            raise CheckpointError(f"checkpoint {path} (arch {saved_cfg.get('arch', '?')}) does not fit this model "
+                                  f"(arch {cfg.arch}): {why}") from None
+        fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
         try:
             self.opt.load_state_dict(ckpt["optimizer"])
         except (ValueError, KeyError, RuntimeError) as exc:
+            if saved_cfg.get("precision", cfg.precision) != cfg.precision:
+                raise CheckpointError(f"checkpoint {path} holds a --precision {saved_cfg['precision']} run and this "
+                                      f"one is {cfg.precision}: their optimizer states (loss scaling, masters) "
+                                      f"differ; resume with --precision {saved_cfg['precision']}") from None
             raise CheckpointError(f"checkpoint {path}: optimizer state does not fit: {exc}") from None
         self.sched.load_state_dict(ckpt["scheduler"])
         self.step, self.epoch, self.batches_done = int(ckpt["step"]), int(ckpt["epoch"]), int(ckpt["batches_done"])
@@ -259,9 +347,22 @@ class Trainer:
         rngs = ckpt["rng"]
         if len(rngs) == self.info.world_size:
             ckpt_io.set_rng_state(rngs[self.info.rank])
-        else:
-            logger.warning("checkpoint was written by %d processes, this run has %d: resuming, but not "
-                           "bit-identically (data order and RNG streams differ)", len(rngs), self.info.world_size)
+        if changes:
+            self._apply_changed_settings(saved_cfg, fresh_groups)
+
+    def _apply_changed_settings(self, saved_cfg: dict, fresh_groups: list[dict]) -> None:
+        """With --allow-changed-config: the new optimizer settings and lr replace the
+        saved ones, and the position in the epoch is kept in samples, not batches."""
+        for group, fresh in zip(self.opt.param_groups, fresh_groups):
+            group.update({k: v for k, v in fresh.items() if k != "lr"})
+        self.sched.base_lrs = [g["initial_lr"] for g in fresh_groups]
+        for i, group in enumerate(self.opt.param_groups):
+            group["lr"] = self.sched.base_lrs[i] * self.sched.lr_lambdas[i](self.sched.last_epoch)
+        self.sched._last_lr = [g["lr"] for g in self.opt.param_groups]
+        per_batch = saved_cfg.get("batch_size", self.cfg.batch_size)
+        samples = self.batches_done * per_batch
+        micro = self.cfg.batch_size * self.cfg.accum_steps
+        self.batches_done = samples // micro * self.cfg.accum_steps
 
     def check_replicas(self) -> None:
         """Compare weights, masters and optimizer state across ranks (every
@@ -291,6 +392,7 @@ class Trainer:
             "rng": rng,
             "elapsed": self.elapsed(),
             "config": self.cfg.as_dict(),
+            "run": self._run_facts(),
         }
 
     def save(self, best: bool = False) -> None:
@@ -302,6 +404,7 @@ class Trainer:
             ckpt_io.save_atomic(state, self.last_path)
             if best:
                 ckpt_io.copy_atomic(self.last_path, self.best_path)
+        self._saved_at = self.step
 
     # ------------------------------------------------------------------ the loop
 
@@ -324,9 +427,26 @@ class Trainer:
         logger.info("training %d steps (%d per epoch) of %d samples; checkpoints in %s, metrics in %s",
                     self.total_steps, self.steps_per_epoch, self.samples_per_step, cfg.checkpoint_dir,
                     self.metrics_path)
+        self._stop_if_asked(save=False)  # a signal during start-up: nothing trained yet
         while self.step < self.total_steps:
             self.train_epoch()
         return self.finish()
+
+    def _stop_if_asked(self, save: bool = True) -> None:
+        """If any rank got SIGTERM or SIGINT, every rank saves (after the step in
+        progress, which has finished) and the run ends with :class:`Stopped`."""
+        signum = self.signals.agreed(self.control_group) if self.signals is not None else None
+        if signum is None:
+            return
+        name = signal.Signals(signum).name
+        if save and self._saved_at != self.step:
+            self.save()
+        if self.main:
+            self.metrics.write({"type": "stopped", "reason": name, "step": self.step, "epoch": self.epoch,
+                                "time": self.elapsed()})
+        self.metrics.close()
+        saved = f"saved {self.last_path}; continue with --resume auto" if save else "nothing to save"
+        raise Stopped(signum, f"stopped by {name} at step {self.step}: {saved}", announce=self.main)
 
     def _loader(self, epoch: int):
         size = self._image_size(epoch)
@@ -354,28 +474,33 @@ class Trainer:
         epoch_start, epoch_loss, epoch_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
         window_start, window_loss, window_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
         batches = iter(self._loader(epoch))
-        for _ in range(steps_left):
-            loss = self.train_step(batches)
-            self.step += 1
-            self.batches_done += cfg.accum_steps
-            comm = mdist.comm_stats(self.ddp)
-            comm = comm.pop_step() if comm is not None else {"allreduce_calls": 0, "allreduce_bytes": 0}
-            window_loss += loss
-            window_steps += 1
-            epoch_loss += loss
-            epoch_steps += 1
-            bar.update(1)
-            if self.step % cfg.print_freq == 0 or self.step == self.total_steps:
-                mean_loss = self._mean_across_ranks(window_loss / window_steps)
-                rate = window_steps * self.samples_per_step / (time.perf_counter() - window_start)
-                self._log_step(mean_loss, rate, comm)
-                bar.set_postfix(loss=f"{mean_loss:.4f}", scale=f"{self.opt.loss_scale:g}", img_s=f"{rate:.0f}")
-                window_start, window_loss, window_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
-            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
-                self.save()
-            elif cfg.check_replicas and self.step % cfg.check_replicas == 0:
-                self.check_replicas()
-        bar.close()
+        try:
+            for _ in range(steps_left):
+                loss = self.train_step(batches)
+                self.step += 1
+                self.batches_done += cfg.accum_steps
+                comm = mdist.comm_stats(self.ddp)
+                comm = comm.pop_step() if comm is not None else {"allreduce_calls": 0, "allreduce_bytes": 0}
+                window_loss += loss
+                window_steps += 1
+                epoch_loss += loss
+                epoch_steps += 1
+                bar.update(1)
+                if self.step % cfg.print_freq == 0 or self.step == self.total_steps:
+                    mean_loss = self._mean_across_ranks(window_loss / window_steps)
+                    rate = window_steps * self.samples_per_step / (time.perf_counter() - window_start)
+                    self._log_step(mean_loss, rate, comm)
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", scale=f"{self.opt.loss_scale:g}", img_s=f"{rate:.0f}")
+                    window_start, window_steps = time.perf_counter(), 0
+                    window_loss = torch.zeros((), device=self.device)
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                    self.save()
+                elif cfg.check_replicas and self.step % cfg.check_replicas == 0:
+                    self.check_replicas()
+                if self.step < self.total_steps:
+                    self._stop_if_asked()
+        finally:
+            bar.close()
         epoch_loss = self._mean_across_ranks(epoch_loss / max(1, epoch_steps))
         if self.batches_done // cfg.accum_steps >= self.steps_per_epoch:
             self.epoch, self.batches_done = epoch + 1, 0
@@ -500,9 +625,16 @@ class Trainer:
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Set up torch.distributed from the environment, run, and tear down."""
+    """Set up torch.distributed from the environment, run, and tear down. SIGTERM and
+    SIGINT stop the run cleanly (mpfp16/preemption.py)."""
     info = mdist.init(backend=cfg.dist_backend, timeout_s=cfg.dist_timeout, device=cfg.device)
+    signals = StopSignals(announce=info.is_main_process).install()
+    trainer = None
     try:
-        return Trainer(cfg, info).fit()
+        trainer = Trainer(cfg, info, signals)
+        return trainer.fit()
     finally:
+        signals.uninstall()
+        if trainer is not None:
+            trainer.release()
         mdist.teardown()

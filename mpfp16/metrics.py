@@ -22,9 +22,11 @@ def _clean(value):
 
 
 class MetricsWriter:
-    """Appends records to ``path`` (JSON lines), flushing each, when ``enabled``."""
+    """Appends records to ``path`` (JSON lines), flushing each, when ``enabled``;
+    ``truncate`` empties the file first."""
 
-    def __init__(self, path: str | None, enabled: bool, tensorboard_dir: str | None = None) -> None:
+    def __init__(self, path: str | None, enabled: bool, tensorboard_dir: str | None = None,
+                 truncate: bool = False) -> None:
         self.path = path
         self.enabled = enabled and path is not None
         self._file = None
@@ -34,7 +36,7 @@ class MetricsWriter:
         if self.path:
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")
+                self._file = open(self.path, "w" if truncate else "a", encoding="utf-8")
             except OSError as exc:
                 raise UserError(f"cannot write metrics file {self.path}: {exc.strerror or exc}") from None
         if tensorboard_dir:

@@ -20,7 +20,7 @@ import torchvision
 from .errors import UserError
 
 __all__ = ["CIFAR_ARCHS", "build_cifar_model", "build_imagenet_model", "zero_init_residual_bn",
-           "imagenet_arch_names", "check_arch", "UnknownArchError"]
+           "imagenet_arch_names", "check_arch", "check_image_sizes", "UnknownArchError"]
 
 
 class UnknownArchError(UserError, ValueError):
@@ -98,6 +98,22 @@ def check_arch(task: str, arch: str) -> None:
         close = [n for n in names if n.startswith(arch[:4])][:8]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise UnknownArchError(f"unknown torchvision arch {arch!r}{hint}; see torchvision.models.list_models()")
+
+
+def check_image_sizes(task: str, arch: str, sizes: list[int]) -> None:
+    """Raise a one-line :class:`UserError` if ``arch`` cannot take square images of one of
+    ``sizes``: a forward pass on the meta device checks every shape in a fraction of a
+    second, before any data is loaded (a ViT wants exactly 224, Inception at least 75)."""
+    build = build_cifar_model if task == "cifar" else build_imagenet_model
+    with torch.device("meta"):
+        model = build(arch, 10).eval()
+    for size in sorted(set(sizes)):
+        try:
+            with torch.no_grad():
+                model(torch.empty(2, 3, size, size, device="meta"))
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"{arch} cannot take {size}x{size} images: {reason}") from None
 
 
 def build_cifar_model(arch: str, num_classes: int = 10) -> nn.Module:

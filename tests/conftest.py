@@ -11,3 +11,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cifar_root(tmp_path_factory):
+    """A tiny CIFAR-10 in torchvision's format (tests/fake_data.py)."""
+    from fake_data import write_fake_cifar
+
+    return write_fake_cifar(tmp_path_factory.mktemp("cifar"))

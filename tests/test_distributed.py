@@ -245,3 +245,18 @@ def test_a_one_ulp_difference_on_one_rank_is_caught_on_every_rank(tmp_path, wher
     assert r0["error"] == r1["error"]
     assert r0["error"].startswith("replicas diverged at step 2: ")
     assert expected in r0["error"]
+
+
+def test_a_group_of_one_says_one_process(monkeypatch, capsys):
+    from dist_helpers import free_port
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    try:
+        mdist.init(device="cpu", timeout_s=30)
+    finally:
+        mdist.teardown()
+    assert "distributed: 1 process, backend gloo" in capsys.readouterr().out

@@ -2,7 +2,6 @@
 as 2-process gloo runs under torchrun."""
 
 import argparse
-import json
 import os
 import random
 import subprocess
@@ -14,7 +13,8 @@ import torch
 import train_cifar
 import train_imagenet
 from dist_helpers import free_port
-from fake_data import write_fake_cifar, write_fake_imagefolder
+from fake_data import write_fake_imagefolder
+from run_helpers import assert_same_final_state, records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CIFAR = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
@@ -22,11 +22,6 @@ TINY_CIFAR = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
 # except where a test asks for the fused step on purpose.
 TINY_IMAGENET = ["-a", "resnet18", "--image-size", "32", "-b", "4", "--no-progress", "-p", "1", "-j", "0",
                  "--fused", "off"]
-
-
-def records(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
 
 
 class Result(tuple):
@@ -43,11 +38,6 @@ def run_main(main, argv, capsys):
     result = Result((status, captured.err))
     result.out = captured.out
     return result
-
-
-@pytest.fixture(scope="module")
-def cifar_root(tmp_path_factory):
-    return write_fake_cifar(tmp_path_factory.mktemp("cifar"))
 
 
 @pytest.fixture(scope="module")
@@ -124,19 +114,6 @@ def test_embedded_cifar_data_is_learnable(tmp_path, capsys):
 # ----------------------------------------------------------------- exact resume
 
 
-def _final_state(path):
-    ckpt = torch.load(path, weights_only=True)
-    opt = ckpt["optimizer"]
-    tensors = dict(ckpt["model"])
-    for i, m in enumerate(opt["master_params"]):
-        if m is not None:
-            tensors[f"master.{i}"] = m
-    for i, state in opt["optimizer"]["state"].items():
-        for k, v in state.items():
-            tensors[f"state.{i}.{k}"] = v
-    return tensors, ckpt
-
-
 @pytest.mark.parametrize("extra", [
     ["--precision", "fp16", "-b", "8", "--accum-steps", "2", "--max-grad-norm", "5"],
     ["--precision", "fp16", "--no-master-weights", "--optimizer", "adamw", "--lr", "0.01"],
@@ -153,12 +130,9 @@ def test_resume_mid_epoch_is_bit_identical(cifar_root, tmp_path, capsys, extra):
     assert mid["step"] == 10 and mid["epoch"] == 0 and mid["batches_done"] > 0  # mid-epoch
     assert run_main(train_cifar.main, common + ["--max-steps", "20", "--checkpoint-dir", str(parts),
                                                 "--resume", "auto"], capsys)[0] == 0
-    a, ckpt_a = _final_state(straight / "last.pt")
-    b, ckpt_b = _final_state(parts / "last.pt")
-    assert ckpt_a["step"] == ckpt_b["step"] == 20 and ckpt_a["epoch"] == ckpt_b["epoch"] == 1
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_same_final_state(straight / "last.pt", parts / "last.pt")
+    final = torch.load(parts / "last.pt", weights_only=True)
+    assert final["step"] == 20 and final["epoch"] == 1
     losses = lambda d: {r["step"]: r["loss"] for r in records(d / "metrics.jsonl") if r["type"] == "train"}
     tail_a, tail_b = losses(straight), losses(parts)
     assert all(tail_a[s] == tail_b[s] for s in range(11, 21))
@@ -172,10 +146,14 @@ def test_resume_mid_epoch_is_bit_identical(cifar_root, tmp_path, capsys, extra):
     (["{empty}"], "holds no CIFAR-10 data"),
     (["{garbage}"], "is not a CIFAR-10 batch file"),
     (["{cifar}", "-a", "resnet7"], "unknown CIFAR arch 'resnet7'"),
-    (["{cifar}", "--resume", "{corrupt}"], "is corrupt"),
+    (["{cifar}", "--resume", "{corrupt}"], "corrupt.pt is not a torch.save file (it starts with b'"),
+    (["{cifar}", "--resume", "{truncated}"], "truncated.pt is corrupt or truncated"),
+    (["{cifar}", "--resume", "{text}"], "notes.txt is not a torch.save file (it starts with b'hell')"),
+    (["{cifar}", "--resume", "{empty}"], "empty is a folder: pass a checkpoint file such as "),
     (["{cifar}", "--resume", "{pickled}"], "contains a pickled Python object (argparse.Namespace)"),
     (["{cifar}", "--resume", "{nothere}"], "does not exist"),
-], ids=["missing", "empty", "garbage", "arch", "corrupt-ckpt", "pickled-ckpt", "missing-ckpt"])
+], ids=["missing", "empty", "garbage", "arch", "random-bytes-ckpt", "truncated-ckpt", "text-ckpt", "folder-ckpt",
+        "pickled-ckpt", "missing-ckpt"])
 def test_bad_input_is_one_line_and_nonzero(cifar_root, tmp_path, capsys, argv, message):
     (tmp_path / "empty").mkdir()
     garbage = tmp_path / "garbage" / "cifar-10-batches-py"
@@ -183,10 +161,13 @@ def test_bad_input_is_one_line_and_nonzero(cifar_root, tmp_path, capsys, argv, m
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         (garbage / name).write_bytes(b"not a pickle at all")
     (tmp_path / "corrupt.pt").write_bytes(random.Random(0).randbytes(4096))
+    (tmp_path / "notes.txt").write_text("hello, this is not a checkpoint")
+    torch.save({"format": "mpfp16.checkpoint/1", "model": {"w": torch.zeros(1000)}}, tmp_path / "whole.pt")
+    (tmp_path / "truncated.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:1500])
     torch.save({"format": "mpfp16.checkpoint/1", "model": argparse.Namespace(evil=True)}, tmp_path / "pickled.pt")
     paths = {"missing": tmp_path / "nope", "empty": tmp_path / "empty", "garbage": tmp_path / "garbage",
              "cifar": cifar_root, "corrupt": tmp_path / "corrupt.pt", "pickled": tmp_path / "pickled.pt",
-             "nothere": tmp_path / "nothere.pt"}
+             "nothere": tmp_path / "nothere.pt", "truncated": tmp_path / "truncated.pt", "text": tmp_path / "notes.txt"}
     argv = [*TINY_CIFAR, "--max-steps", "1", "--checkpoint-dir", str(tmp_path / "ck"),
             *[a.format(**paths) for a in argv]]
     status, err = run_main(train_cifar.main, argv, capsys)
@@ -198,10 +179,31 @@ def test_bad_input_is_one_line_and_nonzero(cifar_root, tmp_path, capsys, argv, m
 def test_mismatched_checkpoint_is_refused(cifar_root, tmp_path, capsys):
     assert run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--max-steps", "1", "--checkpoint-dir",
                                        str(tmp_path)], capsys)[0] == 0
-    status, err = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "-a", "resnet9-w8", "--max-steps", "2",
-                                              "--checkpoint-dir", str(tmp_path), "--resume", "auto"], capsys)
-    assert status == 2
-    assert err.startswith("error: checkpoint") and "does not fit this model" in err and err.count("\n") == 1
+    resume = [cifar_root, *TINY_CIFAR, "--max-steps", "2", "--checkpoint-dir", str(tmp_path), "--resume", "auto"]
+    status, err = run_main(train_cifar.main, resume + ["-a", "resnet9-w8"], capsys)
+    assert status == 2 and err == (f"error: checkpoint {tmp_path / 'last.pt'} was saved with other settings "
+                                   "(arch resnet9-w4 -> resnet9-w8): resume with the same ones, or pass "
+                                   "--allow-changed-config to continue anyway, no longer bit-identically\n")
+    status, err = run_main(train_cifar.main, resume + ["-a", "resnet9-w8", "--allow-changed-config"], capsys)
+    assert status == 2 and err.splitlines()[0].startswith("WARNING: resuming ")  # the changed settings
+    assert err.splitlines()[1:] == [f"error: checkpoint {tmp_path / 'last.pt'} (arch resnet9-w4) does not fit this "
+                                    "model (arch resnet9-w8): 41 of another shape (first 0.0.weight: [4, 3, 3, 3] "
+                                    "saved, [8, 3, 3, 3] here)"]
+    status, err = run_main(train_cifar.main, resume + ["-a", "resnet18", "--allow-changed-config"], capsys)
+    assert status == 2 and "122 of its tensors missing (first conv1.weight), 49 unknown here (first 0.0.weight)" \
+        in err
+
+
+def test_a_checkpoint_of_another_precision_says_so(cifar_root, tmp_path, capsys):
+    assert run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--max-steps", "1", "--precision", "fp32",
+                                       "--checkpoint-dir", str(tmp_path)], capsys)[0] == 0
+    resume = [cifar_root, *TINY_CIFAR, "--max-steps", "2", "--checkpoint-dir", str(tmp_path), "--resume", "auto"]
+    status, err = run_main(train_cifar.main, resume, capsys)
+    assert status == 2 and "was saved with other settings (precision fp32 -> fp16)" in err
+    status, err = run_main(train_cifar.main, resume + ["--allow-changed-config"], capsys)
+    assert status == 2 and err.endswith(
+        "holds a --precision fp32 run and this one is fp16: their optimizer states (loss scaling, masters) differ; "
+        "resume with --precision fp32\n")
 
 
 def test_empty_imagefolder_and_unknown_arch(tmp_path, capsys):
@@ -235,6 +237,27 @@ def test_fused_on_that_cannot_compile_is_one_line(cifar_root, tmp_path, capsys, 
 def test_bad_flags_are_argparse_errors(capsys, argv):
     status, err = run_main(train_cifar.main, argv, capsys)
     assert status == 2 and "error:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("main,argv,message", [
+    (train_cifar.main, ["--lr", "inf"], "argument --lr: must be a positive finite number, got inf"),
+    (train_cifar.main, ["--wd", "-1"], "argument --wd/--weight-decay: must be a finite number >= 0, got -1"),
+    (train_cifar.main, ["--momentum", "2"], "argument --momentum: must be a number in [0, 1], got 2"),
+    (train_imagenet.main, ["--image-size", "1"], "argument --image-size: must be at least 8, got 1"),
+    (train_imagenet.main, ["--resize-phases", "0:4"], "with sizes from 8 to 4096, got '0:4'"),
+    (train_imagenet.main, ["--image-size", "99999"], "argument --image-size: must be at most 4096, got 99999"),
+], ids=["lr-inf", "wd-negative", "momentum", "image-size", "resize-phases", "image-size-huge"])
+def test_bad_values_are_named_plainly(capsys, main, argv, message):
+    status, err = run_main(main, argv, capsys)
+    assert status == 2 and err.strip().splitlines()[-1].endswith(message)
+
+
+def test_an_image_size_the_model_cannot_take_is_refused_before_training(tmp_path, capsys):
+    status, err = run_main(train_imagenet.main, ["-a", "vit_b_16", "--image-size", "64", "--checkpoint-dir",
+                                                 str(tmp_path)], capsys)
+    assert status == 2
+    assert err == "error: vit_b_16 cannot take 64x64 images: Wrong image height! Expected 224 but got 64!\n"
+    assert not os.listdir(tmp_path) or os.listdir(tmp_path) == [".mpfp16.lock"]
 
 
 def test_no_traceback_from_the_real_command_line(tmp_path):

@@ -1,0 +1,35 @@
+"""What the script tests read back from a run: its metrics records and its checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def records(path) -> list[dict]:
+    """The metrics file's records."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def checkpoint_tensors(path) -> tuple[dict, dict]:
+    """(the checkpoint, every tensor that decides how training goes on: the model's,
+    the masters and the optimizer state)."""
+    ckpt = torch.load(path, weights_only=True)
+    tensors = {f"model.{k}": v for k, v in ckpt["model"].items()}
+    for i, m in enumerate(ckpt["optimizer"]["master_params"]):
+        if m is not None:
+            tensors[f"master.{i}"] = m
+    for i, state in ckpt["optimizer"]["optimizer"]["state"].items():
+        for k, v in state.items():
+            tensors[f"state.{i}.{k}"] = v
+    return ckpt, tensors
+
+
+def assert_same_final_state(a_path, b_path) -> None:
+    """Two checkpoints at the same step with bit-identical tensors."""
+    (a_ckpt, a), (b_ckpt, b) = checkpoint_tensors(a_path), checkpoint_tensors(b_path)
+    assert a_ckpt["step"] == b_ckpt["step"] and a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
