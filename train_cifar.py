@@ -18,7 +18,7 @@ in 1m42s of wall time and reached 94.4% validation accuracy (chance: 10%), after
 
 import sys
 
-from mpfp16.cli import run
+from mpfp16.train.cli import run
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ Several machines: the same command under torchrun --nnodes N --rdzv-backend c10d
 
 import sys
 
-from mpfp16.cli import run
+from mpfp16.train.cli import run
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,7 @@ handed over its last bucket.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .errors import one_line
 
 __all__ = ["STRATEGIES", "CommStats", "HookState", "allreduce_hook", "fp32_accumulate_hook", "HOOKS",
            "average_fp32_accumulate"]
@@ -133,6 +136,7 @@ class HookState:
     chunk_numel: int = 1 << 23
     small_numel: int = 1 << 16  # below this, fp32_accumulate upcasts and allreduces in fp32
     stats: CommStats = field(default_factory=CommStats)
+    compile_reduce: bool = True  # fp32_accumulate's reduction compiled; False once compiling failed
     _worker: _Worker | None = None
     _scratch: torch.Tensor | None = None
 
@@ -187,25 +191,29 @@ def _reduce_shard(mine: torch.Tensor, others: torch.Tensor, world: int) -> None:
     mine.copy_(((mine.float() + total) / world).to(mine.dtype))
 
 
-_compiled_reduce = None
 _COMPILE_MIN_NUMEL = 1 << 15
 
 
-def _reduce(mine: torch.Tensor, others: torch.Tensor, world: int) -> None:
+@functools.cache
+def _compiled_reduce_shard():
+    return torch.compile(_reduce_shard, dynamic=True)
+
+
+def _reduce(state: HookState, mine: torch.Tensor, others: torch.Tensor, world: int) -> None:
     """:func:`_reduce_shard`, compiled into one pass for large shards (the eager form
-    makes four passes over memory). Small shards, and any platform where compiling
-    fails, use the eager form; both compute the same fp32 sum."""
-    global _compiled_reduce
-    if mine.numel() >= _COMPILE_MIN_NUMEL and _compiled_reduce is not False:
-        if _compiled_reduce is None:
-            _compiled_reduce = torch.compile(_reduce_shard, dynamic=True)
+    makes four passes over memory). Small shards use the eager form, and so does a
+    hook whose compile failed, with one warning; both compute the same fp32 sum, and
+    each shard is reduced by one rank only, so the replicas agree either way."""
+    if mine.numel() >= _COMPILE_MIN_NUMEL and state.compile_reduce:
+        from .backends.kernels import COMPILE_ERRORS
+
         try:
-            _compiled_reduce(mine, others, world)
+            _compiled_reduce_shard()(mine, others, world)
             return
-        except Exception as exc:  # a missing compiler, an unsupported device
+        except COMPILE_ERRORS as exc:  # a missing compiler, an unsupported device
             logger.warning("torch.compile of the fp32-accumulate reduction failed (%s); using eager ops",
-                           str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            _compiled_reduce = False
+                           one_line(exc))
+            state.compile_reduce = False
     _reduce_shard(mine, others, world)
 
 
@@ -262,7 +270,7 @@ def _fp32_accumulate(state: HookState, buf: torch.Tensor) -> None:
         recvs = [mine if j == rank else next(rows) for j in range(world)]
         # Reduce-scatter: every other rank's copy of my shard arrives in `others`.
         _exchange(group, rank, shards, recvs)
-        _reduce(mine, others, world)
+        _reduce(state, mine, others, world)
         # All-gather: my averaged shard goes out, theirs land in place.
         _exchange(group, rank, [mine] * world, shards)
 

@@ -1,6 +1,21 @@
-"""Errors with a known cause. The scripts print each as one line, with no traceback:
+"""Errors with a known cause, and how to say one in a line. The scripts print each as one line, with no traceback:
 the user's to fix (:class:`UserError` and its kinds) with exit status 2, the others
 with exit status 1."""
+
+import re
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message as one line: its first non-empty line (an OSError's
+    reason alone), or the name of its type when it has no message. Errors re-raised from a DataLoader worker carry
+    the worker's traceback; their last line is the message."""
+    if isinstance(exc, OSError) and exc.strerror:  # "No such file or directory", not "[Errno 2] ..."
+        return exc.strerror
+    text = str(exc).strip()
+    if "Original Traceback" in text:
+        text = re.sub(r"^[\w.]+(Error|Exception): ", "", text.splitlines()[-1])
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 class UserError(Exception):

@@ -4,44 +4,47 @@ The wrapper takes any ``torch.optim`` optimizer built over a 16-bit model's
 parameters. The parameters live in flat buffers, one per (device, dtype): those that
 :func:`mpfp16.to_half` made (adopted as they are, so the wrapper may be built before
 or after DDP), or, for parameters that are not in one, buffers it makes (mpfp16/flat.py
-refuses to move parameters that DDP already holds). Their gradients become views of a
-flat buffer of the same layout. It keeps an fp32 master copy of every 16-bit
-parameter in a flat buffer of that layout too, and puts the masters into the inner
-optimizer's ``param_groups`` in place of the model's parameters. fp32 parameters
-(normalization layers) are stepped directly.
+refuses to move parameters that DDP already holds). Their gradients are views of a
+flat buffer of the same layout, and the fp32 masters of the 16-bit parameters live in
+one too (mpfp16/groups.py); the masters replace the model's parameters in the inner
+optimizer's ``param_groups``. fp32 parameters (normalization layers) are stepped
+directly.
 
-The step runs in one fixed order (the project's DESIGN):
+:meth:`FP16Optimizer.step` runs the project's step, in this order, each phase a
+method below:
 
-1. ``_unscale_grads``: copy the 16-bit gradients into the fp32 master gradients,
-   multiply by 1/scale and look for inf/NaN, one pass per flat buffer;
-2. on overflow: skip, back the scale off, count it, zero the gradients;
-3. ``_clip_grads``: clip the global norm of the unscaled fp32 gradients;
-4. the inner optimizer steps the masters;
-5. ``_copy_masters_to_model``: one copy per flat buffer;
-6. the scaler counts a clean step (and may grow the scale).
+1. check ready: a backward pass reached the parameters, through ``backward()``;
+2. unscale and find inf: fp32 gradients = 16-bit gradients / scale, and whether any
+   is inf/NaN (done already if the user called ``unscale_()``);
+3. agree across ranks: the flag is max-reduced, then read: the step's one host sync;
+4. skip (scale backs off, nothing changes) or clip (the global norm);
+5. update: the inner optimizer's arithmetic on the fp32 masters;
+6. copy back: the new 16-bit weights;
+7. update the scale.
 
-For SGD, Adam and AdamW, the fused path (mpfp16/fused.py) does the same in two
-compiled passes: ``_grad_stats`` (phase 1's check, read from the 16-bit gradients)
-and one kernel per flat segment for phases 3 to 5. Either way, reading the overflow
-flag is the step's only host synchronization.
+Phases 2, 5 and 6 run on one of two interchangeable backends (mpfp16/backends/): the
+unfused one (the inner optimizer's own ``step()``), or, for SGD, Adam and AdamW, the
+fused one (one compiled kernel per flat segment that does 5 and 6 in one pass, and
+reads the 16-bit gradients directly in 2).
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import flat
-from . import fused as fused_mod
+from .backends import fused as fused_backend
+from .backends.unfused import UnfusedBackend
 from .convert import HALF_DTYPES
 from .distributed import get_world_size, is_main_process
-from .errors import FusedStepUnavailable
+from .errors import FusedStepUnavailable, one_line
+from .groups import FlatGroup, is_master
+from .rounding import ROUNDINGS
 from .scaler import DynamicLossScaler, LossScaler
 
 __all__ = ["FP16Optimizer"]
@@ -53,142 +56,16 @@ FUSED_MIN_NUMEL = 1 << 20  # below this, fused=None keeps the unfused step (no c
 _STATE_FORMAT = "mpfp16.FP16Optimizer/1"
 
 
-@dataclass(frozen=True)
-class _Segment:
-    """The parameters of one param group inside a flat buffer: a contiguous range."""
-
-    group_index: int
-    start: int
-    end: int
-    indices: tuple[int, ...]
-
-
-class _FlatGroup:
-    """The trainable parameters of one (device, dtype), held in flat buffers.
-
-    ``weights`` and ``grads`` are the model's own storage: every parameter and its
-    ``.grad`` is a view into them. For a 16-bit group, ``master`` and
-    ``master_grads`` are fp32 buffers of the same layout; for an fp32 group they are
-    ``weights`` and ``grads`` themselves. ``master_views`` are what the inner
-    optimizer steps. ``segments`` cut the buffers by param group.
-
-    ``master_grads`` of a 16-bit group gets memory only when the unfused path first
-    needs it (the fused path reads the 16-bit gradients directly); without master
-    weights, ``master`` and ``master_grads`` have memory only inside that path's step.
-    """
-
-    def __init__(self, params: list[torch.Tensor], master_weights: bool, group_of: dict[int, int],
-                 kahan: bool = False) -> None:
-        # The buffer to_half() made for exactly these parameters moves nothing; any other
-        # placement is refused if DDP already holds them (flat.check_movable).
-        placed = flat.place(params)
-        self.params = params = placed.params
-        self.dtype = params[0].dtype
-        self.device = params[0].device
-        self.half = self.dtype in HALF_DTYPES
-        self.layout = placed.layout
-        self.weights = placed.data
-        self.grads = self.layout.empty(self.dtype, self.device)
-        self.grad_views = self.layout.views(self.grads)
-        with torch.no_grad():
-            for p, g in zip(params, self.grad_views):
-                if p.grad is not None:
-                    g.copy_(p.grad)
-                p.grad = g  # unlike moving the parameter, harmless under DDP
-        self.data_ptrs = [p.data_ptr() for p in params]
-        # The optimizer writes the weights through the flat buffer, which leaves each
-        # parameter's own version counter alone; a write through the parameter itself
-        # (DDP's initial broadcast from rank 0, model.load_state_dict, an in-place init)
-        # bumps it, and the next step re-reads that weight's master (check_params).
-        self.mark_synced()
-        self.grad_ptrs = [g.data_ptr() for g in self.grad_views]
-        self.segments = self._segments([group_of[id(p)] for p in params])
-        # Kahan rounding's 16-bit compensation: what the last rounding lost, per weight.
-        self.comp = self.layout.empty(self.dtype, self.device) if kahan and self.dtype in HALF_DTYPES else None
-
-        # Without master weights the fp32 buffers exist only inside step().
-        self.transient = self.half and not master_weights
-        if not self.half:
-            self.master, self.master_grads = self.weights, self.grads
-            self.master_views = params
-            return
-        self.master = self.weights.float()
-        self.master_grads = self.layout.empty(torch.float32, self.device)
-        self.master_views = self.layout.views(self.master)
-        for m, g in zip(self.master_views, self.layout.views(self.master_grads)):
-            m.grad = g
-            m._mpfp16_master = True
-        flat.release(self.master_grads)
-        if self.transient:
-            flat.release(self.master)
-
-    def _segments(self, group_indices: list[int]) -> list[_Segment]:
-        """Consecutive runs of parameters of the same param group. The buffer is in
-        model order, so a param group can make several runs (weights and biases in
-        groups with and without weight decay, say)."""
-        segments, first, offsets = [], 0, self.layout.offsets
-        for i in range(1, len(group_indices) + 1):
-            if i == len(group_indices) or group_indices[i] != group_indices[first]:
-                end = offsets[i] if i < len(group_indices) else self.layout.total
-                segments.append(_Segment(group_indices[first], offsets[first], end, tuple(range(first, i))))
-                first = i
-        return segments
-
-    @property
-    def has_master(self) -> bool:
-        """A 16-bit group with persistent fp32 masters."""
-        return self.half and not self.transient
-
-    def prepare_master_grads(self) -> None:
-        if self.half:
-            flat.restore(self.master_grads)
-
-    def mark_synced(self) -> None:
-        """The masters and the weights agree now: remember each weight's version."""
-        self.versions = [p._version for p in self.params]
-
-    def check_params(self) -> None:
-        """Raise if a parameter or its gradient left the flat buffers; re-read the
-        master (and reset the Kahan compensation) of a weight written from outside
-        since the last step; re-attach gradients that were replaced
-        (``model.zero_grad()`` sets them to None, and the next backward then makes a
-        fresh tensor)."""
-        for i, (p, g, ptr, grad_ptr) in enumerate(zip(self.params, self.grad_views, self.data_ptrs,
-                                                      self.grad_ptrs)):
-            if p.data_ptr() != ptr or g.data_ptr() != grad_ptr:
-                raise RuntimeError(
-                    f"a {self.dtype} parameter of shape {list(p.shape)} no longer lives in the "
-                    "FP16Optimizer's flat buffer: the model was converted or moved (.half(), "
-                    ".to()) after the optimizer was built. Convert and move the model first."
-                )
-            if p._version != self.versions[i]:
-                self.versions[i] = p._version
-                if self.has_master:
-                    self.master_views[i].copy_(p)
-                if self.comp is not None:
-                    self.layout.views(self.comp)[i].zero_()
-            if p.grad is g:
-                continue
-            if p.grad is None:
-                g.zero_()
-            else:
-                g.copy_(p.grad)
-            p.grad = g
-
-    def master_from_weights(self) -> None:
-        if self.half:
-            flat.restore(self.master)
-            self.master.copy_(self.weights)
-
-    def release(self) -> None:
-        """Free the fp32 buffers of a group without master weights."""
-        if self.transient:
-            flat.release(self.master)
-            flat.release(self.master_grads)
-
-
 class FP16Optimizer(torch.optim.Optimizer):
     """Mixed-precision wrapper around a ``torch.optim`` optimizer.
+
+    The step in the order users write it::
+
+        opt.zero_grad()
+        opt.backward(loss)                  # (loss.float() * loss_scale).backward()
+        opt.unscale_()                      # optional: unscaled fp32 grads in opt.master_params()
+        torch.nn.utils.clip_grad_norm_(opt.master_params(), 1.0)
+        opt.step()                          # False when skipped (inf/NaN gradients)
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` built over the model's parameters
@@ -213,7 +90,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         reduce_overflow: set False when this rank steps alone while others run
             (a single-process baseline inside a distributed job); also an attribute.
         fused: run the step of an SGD, Adam or AdamW inner optimizer as one compiled
-            kernel per flat buffer segment (mpfp16/fused.py), with no fp32 gradient
+            kernel per flat buffer segment (mpfp16/backends/fused.py), with no fp32 gradient
             buffer: bit-identical for SGD; for Adam the parameters differ in the last
             bits where torch's CPU sqrt is not correctly rounded.
             ``None`` (default): when supported and the model has at least 1M
@@ -257,14 +134,13 @@ class FP16Optimizer(torch.optim.Optimizer):
             raise TypeError(f"FP16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
-        if rounding not in fused_mod.ROUNDINGS:
-            raise ValueError(f"rounding must be one of {', '.join(fused_mod.ROUNDINGS)}, got {rounding!r}")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
         if rounding != "nearest" and master_weights:
             raise ValueError(f"rounding={rounding!r} applies to 16-bit weights stepped directly: "
                              "pass master_weights=False")
-        self.rounding = rounding
         self.optimizer = optimizer
-        self.defaults = optimizer.defaults
+        self.rounding = rounding
         self.master_weights = bool(master_weights)
         self.max_grad_norm = max_grad_norm
         self.track_grad_norm = bool(track_grad_norm)
@@ -273,19 +149,13 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.iteration = 0  # optimizer steps attempted, skipped ones included
         self._last_grad_norm: torch.Tensor | None = None
-        self._init_hooks()
 
         params = self._trainable_params(model)
-        reason = fused_mod.unsupported_reason(optimizer)
+        reason = fused_backend.unsupported_reason(optimizer)
         if fused and reason:
             raise ValueError(f"fused=True is not possible: {reason}")
         self._groups = self._build_groups(params)
         self.scaler = self._make_scaler(loss_scale, params)
-        numel = sum(g.layout.numel for g in self._groups)
-        use_fused = fused if fused is not None else (reason is None and numel >= FUSED_MIN_NUMEL)
-        self._fused = fused_mod.FusedUpdater(optimizer, self._groups, rounding) if use_fused else None
-        self._fused_checked = False
-        self._fused_requested = fused is True
         self._rounding_rng = torch.Generator(device=self._groups[0].device)
         self._rounding_rng.manual_seed(rounding_seed)
 
@@ -298,31 +168,46 @@ class FP16Optimizer(torch.optim.Optimizer):
         self._shapes = [list(p.shape) for p in params]
         self._dtypes = [str(p.dtype).replace("torch.", "") for p in params]
 
-        # Count backward passes that reach the parameters, to refuse a step with no
-        # gradient and gradients that were not scaled by backward().
-        self._backward_passes = 0
-        self._scaled_passes = 0
+        numel = sum(g.layout.numel for g in self._groups)
+        use_fused = fused if fused is not None else (reason is None and numel >= FUSED_MIN_NUMEL)
+        backend = fused_backend.FusedBackend if use_fused else UnfusedBackend
+        self._backend = backend(optimizer, self._groups, self._stepped, rounding)
+        self._fused_requested = fused is True
+        self._prepared = False  # the backend's prepare() ran
+
+        # torch.optim.Optimizer's own set-up (hooks, the step patch schedulers rely on),
+        # over the inner optimizer's groups; then share its param_groups and state, so
+        # that a scheduler that changes lr changes what is stepped.
+        self._constructing = True
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._constructing = False
+        self._share_inner_state()
+
+        # The misuse guard: which backward passes reached the parameters, and whether
+        # they ran inside backward(). A flag, not a count: nested graph tasks
+        # (reentrant activation checkpointing) fire the hook more than once per pass.
+        self._in_backward = False
+        self._grads_arrived = False
+        self._grads_outside_backward = False
+        self._grads_after_unscale = False
+        self._unscaled: torch.Tensor | None = None  # found_inf, once unscale_() ran in this step
         ref = weakref.ref(self)
 
         def on_backward(_grad):
             opt = ref()
             if opt is not None:
-                opt._backward_passes += 1
+                opt._grads_arrived = True
+                opt._grads_outside_backward |= not opt._in_backward
+                opt._grads_after_unscale |= opt._unscaled is not None
 
         self._grad_hook = register_multi_grad_hook(params, on_backward, mode="any")
 
-    # ----------------------------------------------------------------- construction
+    def _share_inner_state(self) -> None:
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self.defaults = self.optimizer.defaults
 
-    def _init_hooks(self) -> None:
-        # What torch.optim.Optimizer.__init__ sets up, minus the param_groups it owns:
-        # here those belong to the inner optimizer.
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
+    # ----------------------------------------------------------------- construction
 
     def _trainable_params(self, model: torch.nn.Module | None) -> list[torch.Tensor]:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -341,7 +226,7 @@ class FP16Optimizer(torch.optim.Optimizer):
                     "over model.parameters()"
                 )
         for i, p in enumerate(params):
-            if getattr(p, "_mpfp16_master", False):
+            if is_master(p):
                 raise ValueError("the optimizer holds the masters of another FP16Optimizer")
             if p.dtype not in _SUPPORTED_DTYPES:
                 raise TypeError(
@@ -356,13 +241,10 @@ class FP16Optimizer(torch.optim.Optimizer):
             raise ValueError("the optimizer has no parameter that requires grad")
         return params
 
-    def _build_groups(self, params: list[torch.Tensor]) -> list[_FlatGroup]:
+    def _build_groups(self, params: list[torch.Tensor]) -> list[FlatGroup]:
         group_of = {id(p): gi for gi, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
-        by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        for p in params:
-            by_key[(p.device, p.dtype)].append(p)
-        return [_FlatGroup(ps, self.master_weights, group_of, kahan=self.rounding == "kahan")
-                for ps in by_key.values()]
+        return [FlatGroup(ps, self.master_weights, group_of, kahan=self.rounding == "kahan")
+                for ps in flat.trainable_by_key(params).values()]
 
     @staticmethod
     def _make_scaler(loss_scale, params) -> LossScaler:
@@ -380,17 +262,8 @@ class FP16Optimizer(torch.optim.Optimizer):
             return LossScaler(float(loss_scale))
         raise TypeError(f"loss_scale must be 'dynamic', a number, None or a LossScaler; got {type(loss_scale).__name__}")
 
+
     # ------------------------------------------------------------ Optimizer surface
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """The inner optimizer's param_groups (holding the masters), so that schedulers
-        that change ``lr`` change what is stepped."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
 
     def model_params(self) -> list[torch.Tensor]:
         """The model's trainable parameters, in the inner optimizer's order (that of
@@ -399,9 +272,10 @@ class FP16Optimizer(torch.optim.Optimizer):
 
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 tensors the inner optimizer steps, in its parameter order: the
-        masters of the 16-bit parameters and the fp32 parameters themselves. Without
+        masters of the 16-bit parameters and the fp32 parameters themselves. After
+        :meth:`unscale_` their ``.grad`` holds the unscaled fp32 gradients. Without
         master weights the masters of 16-bit parameters hold values only inside
-        ``step()``."""
+        ``step()``; their gradients are there after ``unscale_()``."""
         return list(self._stepped)
 
     @property
@@ -411,15 +285,17 @@ class FP16Optimizer(torch.optim.Optimizer):
     @property
     def fused(self) -> bool:
         """Whether steps run the fused kernels (False after a fallback)."""
-        return self._fused is not None
+        return self._backend.name == "fused"
 
     @property
     def last_grad_norm(self) -> float | None:
-        """Global 2-norm of the unscaled gradients of the last step that was not
-        skipped, before clipping; None when neither clipping nor tracking."""
+        """Global 2-norm of the unscaled gradients of the last step, before clipping;
+        None when neither clipping nor tracking, and after a skipped step."""
         return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
     def add_param_group(self, param_group: dict) -> None:
+        if self._constructing:  # torch.optim.Optimizer.__init__ registers the inner groups
+            return super().add_param_group(param_group)
         raise NotImplementedError(
             "FP16Optimizer cannot add parameter groups after construction: build the inner "
             "optimizer with all of its groups, then wrap it"
@@ -428,90 +304,128 @@ class FP16Optimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (
             f"FP16Optimizer(master_weights={self.master_weights}, scaler={self.scaler!r}, "
-            f"max_grad_norm={self.max_grad_norm},\n  {self.optimizer!r})"
+            f"max_grad_norm={self.max_grad_norm}, backend={self._backend.name},\n  {self.optimizer!r})"
         )
 
     # ------------------------------------------------------------------ the step
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """Run ``(loss.float() * loss_scale).backward(**kwargs)``."""
-        self._scaled_passes += 1
         scale = self.scaler.scale
         scaled_loss = loss.float() if scale == 1.0 else loss.float() * scale
-        scaled_loss.backward(**kwargs)
+        self._in_backward = True
+        try:
+            scaled_loss.backward(**kwargs)
+        finally:
+            self._in_backward = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero every gradient in place, one fill per flat buffer.
+        """Zero every gradient in place, one fill per flat buffer, and start a new step.
 
         ``set_to_none`` is accepted for compatibility; the gradients are views into
         persistent buffers and are zeroed rather than dropped.
         """
         for g in self._groups:
             g.grads.zero_()
-        self._backward_passes = 0
-        self._scaled_passes = 0
+        self._new_step()
+
+    def _new_step(self) -> None:
+        self._grads_arrived = self._grads_outside_backward = self._grads_after_unscale = False
+        self._unscaled = None
+
+    @torch.no_grad()
+    def unscale_(self) -> None:
+        """Unscale now, so that the gradients can be read or clipped before ``step()``.
+
+        Afterwards ``opt.master_params()`` hold the unscaled fp32 gradients in their
+        ``.grad``: ``torch.nn.utils.clip_grad_norm_(opt.master_params(), 1.0)`` (or any
+        clipping of your own) works, and ``step()`` does not unscale again. Calling it
+        twice in a step does nothing the second time, as ``GradScaler.unscale_`` is
+        meant to be called once. With the fused backend it writes the fp32 gradients
+        the fused step otherwise never materializes (4 bytes per parameter more).
+        A gradient that arrives after it (another backward) makes ``step()`` refuse.
+        """
+        if self._unscaled is not None:
+            return
+        self._check_ready()
+        self._prepare_backend(fp32_grads=True)
+        self._unscaled = self._backend.unscale(self.scaler.scale, materialize=True, with_norm=False)
+        self._grads_after_unscale = False
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:
-        """Unscale, check, clip, step and copy back. Returns False if the step was skipped.
+        """The step, phase by phase (module docstring). Returns False if it was skipped.
 
         Raises:
             LossScaleStuckError: the gradients kept overflowing at the lowest scale.
             RuntimeError: no backward pass reached the parameters since the last step,
-                or the gradients were not produced by :meth:`backward` while the loss
-                scale is not 1.
+                the gradients were not produced by :meth:`backward` while the loss
+                scale is not 1, or a gradient arrived after :meth:`unscale_`.
         """
         if closure is not None:
             raise ValueError("FP16Optimizer.step() takes no closure: call backward() then step()")
-        self._check_ready()
-        fused = self._fused is not None and self._fused_ready()
-        stats = self._grad_stats() if fused else self._unscale_grads()
-        if self.reduce_overflow and get_world_size() > 1:
-            # After DDP's allreduce the gradients already agree; this one-float reduction
-            # makes the decision agree whatever happened to them since.
-            dist.all_reduce(stats[:1], op=dist.ReduceOp.MAX, group=self.process_group)
-        overflow = bool(stats[0].item())  # the one host synchronization of the step
+        found_inf = self._unscaled
+        if found_inf is None:
+            self._check_ready()
+            self._prepare_backend(fp32_grads=False)
+            found_inf = self._backend.unscale(self.scaler.scale, materialize=False, with_norm=self._wants_norm)
+        elif self._grads_after_unscale:
+            raise RuntimeError("a backward pass ran after unscale_() in this step, so the gradients are no longer "
+                               "unscaled: call unscale_() after the last backward, just before step()")
+        overflow = self._agree_on_overflow(found_inf)
         self.iteration += 1
-        self._backward_passes = 0
-        self._scaled_passes = 0
+        self._new_step()
         if overflow:
             self._skip()
             return False
-        if fused:
-            self._fused.step(self._inv_scale(self._groups[0].device), self._clip_coef_from(stats[1]), self._noise())
-        else:
-            self._clip_grads()
-            for g in self._groups:
-                if g.transient:
-                    g.master_from_weights()
-            self.optimizer.step()
-            self._copy_masters_to_model()
+        clip_coef = self._clip()
+        noise = self._noise()
+        self._backend.update(clip_coef, noise)
+        self._backend.copy_back(noise)
         self.scaler.update(False, step=self.iteration)
         return True
 
-    # The fused path (mpfp16/fused.py): one compiled kernel per flat segment.
+    # Phase 1: check ready.
 
-    def _fused_ready(self) -> bool:
-        """Compile the kernels on scratch tensors before the first fused step touches
-        real data, and make every rank take the same path.
+    def _check_ready(self) -> None:
+        for g in self._groups:
+            g.check_params()
+        if not self._grads_arrived:
+            raise RuntimeError(
+                "step() was called but no backward pass reached the parameters since the "
+                "last step(): call opt.backward(loss) first"
+            )
+        if self.scaler.scale != 1.0 and self._grads_outside_backward:
+            raise RuntimeError(
+                f"gradients were computed outside opt.backward() while the loss scale is "
+                f"{self.scaler.scale:g}; they would be unscaled wrongly. Call opt.backward(loss)"
+            )
+
+    def _prepare_backend(self, fp32_grads: bool) -> None:
+        """Before the first step: let the backend compile what it needs, and make every
+        rank take the same path. The fp32-gradient kernels of ``unscale_()`` are made
+        here if the first step calls it, otherwise at their first use.
 
         A compile can fail on one rank only (a node without a working compiler, a full
         disk), so the outcome is gathered across the process group. If any rank
         failed, ``fused=True`` raises on every rank, naming the ranks and the reason;
-        the default (``fused=None``) moves every rank to the unfused step, with one
+        the default (``fused=None``) moves every rank to the unfused backend, with one
         warning. Errors other than compile errors are not caught."""
-        if self._fused_checked:
-            return True
-        self._fused_checked = True
+        if self._prepared:
+            return
+        self._prepared = True
+        if self._backend.name != "fused":
+            return
+        from .backends.kernels import COMPILE_ERRORS
+
         error = None
         try:
-            self._fused.warm_up()
-        except fused_mod.COMPILE_ERRORS as exc:
-            lines = str(exc).strip().splitlines()
-            error = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+            self._backend.prepare(fp32_grads=fp32_grads)
+        except COMPILE_ERRORS as exc:
+            error = f"{type(exc).__name__}: {one_line(exc)}"
         failures = self._gather_failures(error)
         if not failures:
-            return True
+            return
         where = ", ".join(f"rank {rank}" for rank in failures)
         reason = next(iter(failures.values()))
         if self._fused_requested:
@@ -520,8 +434,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         if is_main_process():
             logger.warning("fused optimizer step unavailable: compiling failed on %s (%s); every rank uses the "
                            "unfused step", where, reason)
-        self._fused = None
-        return False
+        self._backend = UnfusedBackend(self.optimizer, self._groups, self._stepped, self.rounding)
 
     def _gather_failures(self, error: str | None) -> dict[int, str]:
         """{rank: error} of the ranks whose compile failed, the same on every rank: one
@@ -539,78 +452,24 @@ class FP16Optimizer(torch.optim.Optimizer):
         ranks = dist.get_process_group_ranks(group) if group is not None else range(len(errors))
         return {rank: e for rank, e in zip(ranks, errors) if e is not None}
 
-    def _noise(self) -> list[torch.Tensor | None]:
-        """Uniform [0, 1) values for stochastic rounding, one per 16-bit weight, from the
-        optimizer's own seeded generator (the same on every rank)."""
-        return [torch.rand(g.layout.total, generator=self._rounding_rng, device=g.device)
-                if self.rounding == "stochastic" and g.half else None for g in self._groups]
+    # Phase 2 is the backend's unscale(); phase 3: agree across ranks.
 
-    def _inv_scale(self, device: torch.device) -> torch.Tensor:
-        # As GradScaler: the reciprocal in double, then rounded to fp32.
-        return torch.full((), 1.0 / self.scaler.scale, dtype=torch.float32, device=device)
+    @property
+    def _wants_norm(self) -> bool:
+        return self.max_grad_norm is not None or self.track_grad_norm
 
-    def _grad_stats(self) -> torch.Tensor:
-        """Phase 1, fused: [any inf/NaN, sum of squares of the unscaled gradients],
-        read straight from the 16-bit gradient buffers."""
-        device = self._groups[0].device
-        inv = self._inv_scale(device)
-        with_norm = self.max_grad_norm is not None or self.track_grad_norm
-        kernel = fused_mod.compiled(fused_mod.grad_stats, with_norm=with_norm)
-        total = torch.zeros(2, dtype=torch.float32, device=device)
-        for g in self._groups:
-            total += kernel(g.grads, inv.to(g.device)).to(device)
-        return total
+    def _agree_on_overflow(self, found_inf: torch.Tensor) -> bool:
+        """Max-reduce the inf/NaN flag over the process group and read it: the step's
+        one host synchronization. After DDP's allreduce the gradients already agree;
+        this makes the decision agree whatever happened to them since."""
+        if self.reduce_overflow and get_world_size() > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bool(found_inf[0].item())
 
-    def _clip_coef_from(self, sumsq: torch.Tensor) -> torch.Tensor:
-        """The clip coefficient as clip_grad_norm_ computes it, from the flat sum of
-        squares. The norm can differ from clip_grad_norm_'s (per-tensor norms, then their
-        norm) in its last bits, so clipped steps match the unfused path to fp32
-        rounding, not bit for bit; unclipped steps multiply by exactly 1."""
-        if self.max_grad_norm is None and not self.track_grad_norm:
-            self._last_grad_norm = None
-            return torch.ones((), dtype=torch.float32, device=sumsq.device)
-        self._last_grad_norm = sumsq.sqrt()
-        if self.max_grad_norm is None:
-            return torch.ones((), dtype=torch.float32, device=sumsq.device)
-        return torch.clamp(self.max_grad_norm / (self._last_grad_norm + 1e-6), max=1.0)
-
-    # The unfused path: the inner optimizer steps per-tensor master views.
-
-    def _check_ready(self) -> None:
-        for g in self._groups:
-            g.check_params()
-        if self._backward_passes == 0:
-            raise RuntimeError(
-                "step() was called but no backward pass reached the parameters since the "
-                "last step(): call opt.backward(loss) first"
-            )
-        if self.scaler.scale != 1.0 and self._backward_passes > self._scaled_passes:
-            raise RuntimeError(
-                f"gradients were computed outside opt.backward() while the loss scale is "
-                f"{self.scaler.scale:g}; they would be unscaled wrongly. Call opt.backward(loss)"
-            )
-
-    def _unscale_grads(self) -> torch.Tensor:
-        """Phase 1, unfused: fp32 master gradients = 16-bit gradients / scale, and
-        whether any value is inf/NaN. Returns [flag] as a float tensor (1.0 = found)."""
-        by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for g in self._groups:
-            if g.half:
-                g.prepare_master_grads()
-                g.master_grads.copy_(g.grads)
-            by_device[g.device].append(g.master_grads)
-        found = []
-        for device, grads in by_device.items():
-            found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self._inv_scale(device).view(1))
-            found.append(found_inf)
-        first = found[0]
-        for other in found[1:]:
-            first += other.to(first.device)
-        return first
+    # Phase 4: skip, or clip.
 
     def _skip(self) -> None:
-        """Phase 2: an inf/NaN gradient. Nothing is stepped; the scale backs off."""
+        """An inf/NaN gradient. Nothing is stepped; the scale backs off."""
         self.skipped_steps += 1
         self._last_grad_norm = None
         self.zero_grad()
@@ -624,31 +483,25 @@ class FP16Optimizer(torch.optim.Optimizer):
                 self.iteration, old_scale, self.scaler.scale, self.skipped_steps,
             )
 
-    def _clip_grads(self) -> None:
-        """Phase 3: the global norm of the unscaled fp32 gradients, computed as
-        ``torch.nn.utils.clip_grad_norm_`` does (per-tensor norms, then their norm),
-        so that the result matches it bit for bit. No host synchronization."""
-        if self.max_grad_norm is None and not self.track_grad_norm:
+    def _clip(self) -> torch.Tensor | None:
+        """The factor the gradients are multiplied by, as ``clip_grad_norm_`` computes
+        it from the global norm of the unscaled gradients (None: no clipping). No host
+        synchronization."""
+        if not self._wants_norm:
             self._last_grad_norm = None
-            return
-        grads = [p.grad for p in self._stepped]
-        self._last_grad_norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(self._stepped, self.max_grad_norm, self._last_grad_norm)
+            return None
+        self._last_grad_norm = self._backend.grad_norm()
+        if self.max_grad_norm is None:
+            return None
+        return torch.clamp(self.max_grad_norm / (self._last_grad_norm + 1e-6), max=1.0)
 
-    def _copy_masters_to_model(self) -> None:
-        """Phase 5: round the fp32 masters into the 16-bit model, one copy per buffer
-        (without master weights, with the chosen rounding)."""
-        for g, noise in zip(self._groups, self._noise()):
-            if not g.half:
-                continue
-            if g.transient:
-                fused_mod.write_weights(g.weights, g.master, g.weights.float(), noise, g.comp, self.rounding)
-            else:
-                g.weights.copy_(g.master)
-            g.release()
+    def _noise(self) -> list[torch.Tensor | None]:
+        """Uniform [0, 1) values for stochastic rounding, one per 16-bit weight, from the
+        optimizer's own seeded generator (the same on every rank)."""
+        return [torch.rand(g.layout.total, generator=self._rounding_rng, device=g.device)
+                if self.rounding == "stochastic" and g.half else None for g in self._groups]
 
-    # ------------------------------------------------------------------ memory
+    # Phases 5 and 6 are the backend's update() and copy_back(); 7 is the scaler's.
 
     def memory_bytes_per_param(self) -> dict[str, float]:
         """Bytes held between steps per trainable parameter, by kind of buffer.
@@ -687,17 +540,15 @@ class FP16Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
 
-    def _is_master(self, t: torch.Tensor) -> bool:
-        return self.master_weights and getattr(t, "_mpfp16_master", False)
-
     def state_dict(self) -> dict:
         """Masters, inner optimizer state and scaler state, all plain containers of
         tensors and numbers: ``torch.load(path, weights_only=True)`` reads it."""
-        masters = [m if self._is_master(m) else None for m in self._stepped]
+        persistent = {id(m) for g in self._groups if g.has_master for m in g.master_views}
         return {
             "format": _STATE_FORMAT,
             "optimizer": self.optimizer.state_dict(),
-            "master_params": masters,
+            "master_weights": self.master_weights,
+            "master_params": [m if id(m) in persistent else None for m in self._stepped],
             "param_shapes": self._shapes,
             "param_dtypes": self._dtypes,
             "scaler": self.scaler.state_dict(),
@@ -709,11 +560,9 @@ class FP16Optimizer(torch.optim.Optimizer):
             "kahan_compensation": [g.comp for g in self._groups],
         }
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load what :meth:`state_dict` returned. Load the model's state first: without
-        saved masters (a checkpoint taken with ``master_weights=False``) the masters are
-        rebuilt from the model's weights. With saved masters the model's 16-bit weights
-        are set from them, so the two always agree."""
+    def _check_state_dict(self, state_dict: dict) -> None:
+        """Raise one line where ``state_dict`` was made by an optimizer of another
+        shape: other parameters, dtypes, masters, rounding or scaler."""
         if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT:
             raise ValueError("not an FP16Optimizer state_dict (no 'format': 'mpfp16.FP16Optimizer/1' entry)")
         shapes = [list(s) for s in state_dict["param_shapes"]]
@@ -727,28 +576,60 @@ class FP16Optimizer(torch.optim.Optimizer):
                     f"optimizer state_dict does not match the model: parameter {i} has shape "
                     f"{saved} in the state_dict and {mine} here"
                 )
+        for i, (saved, mine) in enumerate(zip(state_dict.get("param_dtypes", self._dtypes), self._dtypes)):
+            if saved != mine:
+                raise ValueError(f"optimizer state_dict does not match the model: parameter {i} is {saved} in the "
+                                 f"state_dict and {mine} here")
+        saved_masters = state_dict.get("master_weights")
+        if saved_masters is None:  # written before the flag was saved: masters of 16-bit parameters tell
+            saved_masters = any(m is not None for m, dtype in zip(state_dict["master_params"], self._dtypes)
+                                if dtype != "float32")
+        if any(g.half for g in self._groups) and bool(saved_masters) != self.master_weights:
+            raise ValueError(f"the state_dict was saved with master_weights={bool(saved_masters)} and this "
+                             f"optimizer has master_weights={self.master_weights}")
+        if state_dict.get("rounding", "nearest") != self.rounding:
+            raise ValueError(f"the state_dict was saved with rounding={state_dict.get('rounding', 'nearest')!r} "
+                             f"and this optimizer uses rounding={self.rounding!r}")
+        saved_comp = state_dict.get("kahan_compensation", [None] * len(self._groups))
+        for i, (g, comp) in enumerate(zip(self._groups, saved_comp)):
+            if g.comp is not None and (comp is None or comp.shape != g.comp.shape):
+                found = "none" if comp is None else f"{comp.numel()} elements"
+                raise ValueError(f"Kahan compensation buffer {i} has {found} in the state_dict and "
+                                 f"{g.comp.numel()} here")
         saved_scaler = state_dict["scaler_type"]
         if saved_scaler != type(self.scaler).__name__:
             raise ValueError(
                 f"the state_dict holds a {saved_scaler} state but this optimizer uses a "
                 f"{type(self.scaler).__name__}: use the same loss_scale setting"
             )
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` returned. Load the model's state first: without
+        saved masters (a checkpoint taken with ``master_weights=False``) the masters are
+        rebuilt from the model's weights. With saved masters the model's 16-bit weights
+        are set from them, so the two always agree.
+
+        Raises:
+            ValueError: one line, before anything is changed, when the state_dict
+                does not fit this optimizer.
+        """
+        self._check_state_dict(state_dict)
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        if self._fused is not None:
-            self._fused.invalidate()
+        self._share_inner_state()  # the inner optimizer made new param_groups and state
+        self._backend.invalidate()
         self.scaler.load_state_dict(state_dict["scaler"])
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.iteration = int(state_dict["iteration"])
         if "rounding_rng" in state_dict:
             self._rounding_rng.set_state(state_dict["rounding_rng"].cpu())
-        for g, comp in zip(self._groups, state_dict.get("kahan_compensation", [])):
-            if g.comp is not None and comp is not None and comp.shape == g.comp.shape:
-                g.comp.copy_(comp)
         saved_masters = state_dict["master_params"]
         position = {id(m): i for i, m in enumerate(self._stepped)}
         with torch.no_grad():
+            for g, comp in zip(self._groups, state_dict.get("kahan_compensation", [])):
+                if g.comp is not None:
+                    g.comp.copy_(comp)
             for g in self._groups:
-                if not (g.half and self.master_weights):
+                if not g.has_master:
                     continue
                 for p, m in zip(g.params, g.master_views):
                     saved = saved_masters[position[id(m)]]

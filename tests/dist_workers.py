@@ -273,8 +273,9 @@ def compile_fails_on_one_rank(rank, fused):
 
     import torch._inductor.exc
 
-    from mpfp16 import fused as F
     from mpfp16 import optimizer as O
+    from mpfp16.backends import fused as FB
+    from mpfp16.backends import kernels as F
 
     mdist.init(timeout_s=60)
     O.FUSED_MIN_NUMEL = 0
@@ -283,7 +284,7 @@ def compile_fails_on_one_rank(rank, fused):
             raise torch._inductor.exc.InvalidCxxCompiler("/bin/false")
         F.compiled = broken
     else:
-        F.FusedUpdater.warm_up = lambda self, *a, **k: None
+        FB.FusedBackend.prepare = lambda self, *a, **k: None
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -340,7 +341,7 @@ def script_in_own_folder(rank, root, folders, argv, nudge_rank=None):
     import contextlib
     import io
 
-    from mpfp16 import cli
+    from mpfp16.train import cli
 
     if rank == nudge_rank:
         step = mpfp16.FP16Optimizer.step

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from mpfp16 import cli, engine
+from mpfp16.train import cli, engine
 
 
 def poison(from_step: int, until_step: int | None = None, ranks=(0, 1)):
@@ -71,7 +71,7 @@ def peer_dies(rank, argv, mode):
 
 def write_checkpoints_forever(path: str, numel: int) -> None:
     """Save ever newer checkpoints to `path`, printing each one's number once it is on disk."""
-    from mpfp16.checkpoint import save_atomic
+    from mpfp16.train.checkpoint import save_atomic
 
     for i in range(1, 1_000_000):
         save_atomic({"i": i, "payload": torch.full((numel,), float(i))}, path)

@@ -19,7 +19,7 @@ import train_imagenet
 from dist_helpers import free_port, run_workers
 from fake_data import write_fake_imagefolder
 from run_helpers import assert_same_final_state, records
-from mpfp16 import checkpoint as ckpt_io
+from mpfp16.train import checkpoint as ckpt_io
 from mpfp16.errors import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -339,7 +339,7 @@ def test_peer_failures_are_recognized(message, capsys, monkeypatch):
     def fail(cfg):
         raise RuntimeError(message)
 
-    monkeypatch.setattr("mpfp16.engine.train", fail)
+    monkeypatch.setattr("mpfp16.train.engine.train", fail)
     assert FW.cli.run("cifar", ["--max-steps", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: communication with another process failed: {message}"]

@@ -1,4 +1,4 @@
-"""The fused step (mpfp16/fused.py): the same floating-point operations as torch.optim,
+"""The fused step (mpfp16/backends/fused.py, kernels.py): the same floating-point operations as torch.optim,
 in one compiled kernel per flat segment."""
 
 import logging
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import mpfp16
-from mpfp16 import fused as F
+from mpfp16.backends import kernels as F
 from reference import (ReferenceTrainer, assert_same_params, backward_both, batches, make_inner, step_both, tiny_mlp,
                        train_mpfp16, train_reference)
 

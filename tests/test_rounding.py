@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import mpfp16
-from mpfp16.fused import stochastic_round
+from mpfp16.rounding import stochastic_round
 from reference import batches, tiny_mlp, train_mpfp16
 
 DTYPES = [torch.float16, torch.bfloat16]

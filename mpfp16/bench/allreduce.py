@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     if args.warmup < 0:
         parser.error("--warmup must be 0 or more")
     if args.model is not None:
-        from ..models import imagenet_arch_names
+        from ..train.models import imagenet_arch_names
 
         if args.model not in imagenet_arch_names():
             parser.error(f"unknown torchvision model {args.model!r}")

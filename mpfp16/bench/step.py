@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         parser.error("--rounds must be >= 1 and --warmup >= 0")
-    from ..models import imagenet_arch_names
+    from ..train.models import imagenet_arch_names
 
     if args.model not in imagenet_arch_names():
         parser.error(f"unknown torchvision model {args.model!r}")

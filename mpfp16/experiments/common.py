@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 
 from ..convert import to_half
-from ..data import synthetic_images
-from ..models import resnet9
+from ..train.data import synthetic_images
+from ..train.models import resnet9
 from ..optimizer import FP16Optimizer
-from ..schedule import lr_multiplier
+from ..train.schedule import lr_multiplier
 
 MODES = {  # name -> (dtype, master weights, rounding)
     "fp32": (torch.float32, True, "nearest"),

@@ -19,16 +19,12 @@ import os
 import socket
 import tempfile
 
-from .errors import UserError
+from ..errors import UserError, one_line
 
 __all__ = ["check_folder", "check_file", "existing_run", "RunLock", "CHECKPOINT_NAMES"]
 
 CHECKPOINT_NAMES = ("last.pt", "best.pt")
 LOCK_NAME = ".mpfp16.lock"
-
-
-def _reason(exc: OSError) -> str:
-    return exc.strerror or str(exc)
 
 
 def check_folder(path: str, what: str) -> None:
@@ -43,13 +39,13 @@ def check_folder(path: str, what: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"cannot create {what} {path}: {_reason(exc)}") from None
+        raise UserError(f"cannot create {what} {path}: {one_line(exc)}") from None
     try:
         fd, probe = tempfile.mkstemp(prefix=".mpfp16-write-test.", dir=path)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise UserError(f"{what} {path} is not writable: {_reason(exc)}") from None
+        raise UserError(f"{what} {path} is not writable: {one_line(exc)}") from None
 
 
 def check_file(path: str, what: str) -> None:
@@ -83,7 +79,7 @@ class RunLock:
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise UserError(f"cannot create the lock file {self.path}: {_reason(exc)}") from None
+            raise UserError(f"cannot create the lock file {self.path}: {one_line(exc)}") from None
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from .errors import UserError
+from ..errors import UserError, one_line
 
 __all__ = ["CIFAR_ARCHS", "build_cifar_model", "build_imagenet_model", "zero_init_residual_bn",
            "imagenet_arch_names", "check_arch", "check_image_sizes", "UnknownArchError"]
@@ -112,8 +112,7 @@ def check_image_sizes(task: str, arch: str, sizes: list[int]) -> None:
             with torch.no_grad():
                 model(torch.empty(2, 3, size, size, device="meta"))
         except (RuntimeError, AssertionError, ValueError) as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"{arch} cannot take {size}x{size} images: {reason}") from None
+            raise UserError(f"{arch} cannot take {size}x{size} images: {one_line(exc)}") from None
 
 
 def build_cifar_model(arch: str, num_classes: int = 10) -> nn.Module:

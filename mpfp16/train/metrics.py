@@ -7,7 +7,7 @@ import json
 import math
 import os
 
-from .errors import UserError
+from ..errors import UserError, one_line
 
 __all__ = ["MetricsWriter"]
 
@@ -38,7 +38,7 @@ class MetricsWriter:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
                 self._file = open(self.path, "w" if truncate else "a", encoding="utf-8")
             except OSError as exc:
-                raise UserError(f"cannot write metrics file {self.path}: {exc.strerror or exc}") from None
+                raise UserError(f"cannot write metrics file {self.path}: {one_line(exc)}") from None
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError, one_line
 
 __all__ = ["save_atomic", "copy_atomic", "load", "digest", "check_same_everywhere", "describe_mismatch", "rng_state",
            "set_rng_state", "remove_stale_temps"]
@@ -43,7 +43,7 @@ def _write_atomic(path: str, write) -> None:
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=_TMP_SUFFIX, dir=folder)
     except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
+        raise CheckpointError(f"cannot write checkpoint {path}: {one_line(exc)}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -56,7 +56,7 @@ def _write_atomic(path: str, write) -> None:
         except FileNotFoundError:
             pass
         if isinstance(exc, OSError):
-            raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from None
+            raise CheckpointError(f"cannot write checkpoint {path}: {one_line(exc)}") from None
         raise
     _fsync_dir(folder)
 
@@ -107,7 +107,7 @@ def load(path: str, map_location="cpu") -> dict:
         with open(path, "rb") as f:
             head = f.read(4)
     except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: {one_line(exc)}") from None
     if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or its legacy pickle
         raise CheckpointError(f"checkpoint {path} is not a torch.save file (it starts with {head!r})")
     try:
@@ -123,8 +123,7 @@ def load(path: str, map_location="cpu") -> dict:
             ) from None
         raise CheckpointError(f"checkpoint {path} is corrupt: not a torch.save file") from None
     except Exception as exc:  # an untrusted file can break the reader in any way
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {first}") from None
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {one_line(exc)}") from None
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a dict")
     return ckpt
@@ -139,7 +138,7 @@ def digest(path: str) -> str:
             for block in iter(lambda: f.read(1 << 22), b""):
                 h.update(block)
     except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: {one_line(exc)}") from None
     return h.hexdigest()
 
 

@@ -15,13 +15,13 @@ import sys
 
 import torch.distributed as dist
 
+from ..comm import STRATEGIES
+from ..errors import FusedStepUnavailable, ReplicaDivergenceError, UserError, one_line
+from ..scaler import LossScaleStuckError
 from . import data as data_mod
-from .comm import STRATEGIES
 from .config import TrainConfig
-from .errors import FusedStepUnavailable, ReplicaDivergenceError, UserError
 from .preemption import Stopped
 from .schedule import SCHEDULES
-from .scaler import LossScaleStuckError
 
 __all__ = ["build_parser", "config_from_args", "run"]
 
@@ -272,16 +272,6 @@ def config_from_args(task: str, args: argparse.Namespace, parser: argparse.Argum
 _COMM_FAILURE = re.compile(r"gloo|nccl|connection|timed out|timeout|pair closure|process ?group", re.I)
 
 
-def one_line(exc: BaseException) -> str:
-    """The message of an exception as one line. Errors re-raised from a DataLoader
-    worker carry the worker's traceback: keep only its last line."""
-    text = str(exc).strip()
-    if "Original Traceback" in text:
-        text = re.sub(r"^[\w.]+(Error|Exception): ", "", text.splitlines()[-1])
-    lines = text.splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
 def run(task: str, argv=None, description: str | None = None) -> int:
     """Parse, train, and turn known failures into one line on stderr and an exit status."""
     from .engine import train  # after parsing, so that --help is instant
@@ -301,7 +291,7 @@ def run(task: str, argv=None, description: str | None = None) -> int:
         if exc.announce:
             print(exc, file=sys.stderr)
         return exc.exit_status
-    except KeyboardInterrupt:  # before the handlers of mpfp16/preemption.py were installed
+    except KeyboardInterrupt:  # before the handlers of mpfp16/train/preemption.py were installed
         print("interrupted", file=sys.stderr)
         return 130
     except (dist.DistError, RuntimeError) as exc:

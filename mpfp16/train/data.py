@@ -25,7 +25,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision.transforms import v2
 
-from .errors import DataError
+from ..errors import DataError, one_line
 
 __all__ = ["DataSpec", "synthetic_images", "load_cifar10", "ImageFolderSplit", "InMemoryImages",
            "ResumableDistributedSampler", "ShardSampler", "make_loader", "cifar_data", "imagenet_data",
@@ -202,7 +202,7 @@ class ImageFolderSplit(Dataset):
         try:
             index = torchvision.datasets.ImageFolder(folder, loader=lambda p: p)
         except (FileNotFoundError, RuntimeError) as exc:
-            raise DataError(f"{folder}: {str(exc).splitlines()[0]}") from None
+            raise DataError(f"{folder}: {one_line(exc)}") from None
         if class_to_idx is not None and index.class_to_idx != class_to_idx:
             raise DataError(f"{folder} has other class folders than the training split")
         self.samples = index.samples
@@ -234,7 +234,7 @@ class ImageFolderSplit(Dataset):
             with Image.open(path) as image:
                 return v2.functional.pil_to_tensor(image.convert("RGB"))
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-            raise DataError(f"cannot decode image {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+            raise DataError(f"cannot decode image {path}: {one_line(exc)}") from None
 
     def _load(self, index: int) -> tuple[torch.Tensor, int]:
         """Sample ``index``, or with ``bad_images="skip"`` the next one that decodes."""

@@ -20,16 +20,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm import tqdm
 
+from .. import distributed as mdist
+from ..convert import NORM_TYPES, to_half
+from ..errors import CheckpointError, UserError, one_line
+from ..flat import flatten_parameters
+from ..optimizer import FP16Optimizer
 from . import checkpoint as ckpt_io
 from . import data as data_mod
-from . import distributed as mdist
 from . import models, rundir
 from .config import TrainConfig
-from .convert import NORM_TYPES, to_half
-from .errors import CheckpointError, UserError
-from .flat import flatten_parameters
 from .metrics import MetricsWriter
-from .optimizer import FP16Optimizer
 from .preemption import StopSignals, Stopped
 from .schedule import lr_multiplier
 
@@ -134,7 +134,7 @@ class Trainer:
             except UserError as exc:
                 error = str(exc)
             except OSError as exc:  # removing the old run's files for --overwrite, say
-                error = f"cannot prepare {self.cfg.checkpoint_dir}: {exc.strerror or exc}"
+                error = f"cannot prepare {self.cfg.checkpoint_dir}: {one_line(exc)}"
         error = mdist.broadcast_object(error)
         if error is not None:
             raise UserError(error)
@@ -626,7 +626,7 @@ class Trainer:
 
 def train(cfg: TrainConfig) -> dict:
     """Set up torch.distributed from the environment, run, and tear down. SIGTERM and
-    SIGINT stop the run cleanly (mpfp16/preemption.py)."""
+    SIGINT stop the run cleanly (mpfp16/train/preemption.py)."""
     info = mdist.init(backend=cfg.dist_backend, timeout_s=cfg.dist_timeout, device=cfg.device)
     signals = StopSignals(announce=info.is_main_process).install()
     trainer = None

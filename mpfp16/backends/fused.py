@@ -1,0 +1,262 @@
+"""The fused step backend: SGD, Adam and AdamW as one compiled kernel per flat
+segment that reads the gradient, updates the fp32 master and the optimizer state and
+writes the 16-bit weight, with no fp32 gradient buffer (mpfp16/backends/kernels.py).
+
+The kernels are compiled in :meth:`FusedBackend.prepare`, on scratch tensors, before
+the first step writes anything; this module itself imports no compiler, so
+``import mpfp16`` stays light and a ``fused=False`` run never imports inductor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import total_norm, unscale_into_master_grads
+
+__all__ = ["FusedBackend", "SUPPORTED", "unsupported_reason"]
+
+SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot take the fused path, or None if it can."""
+    if type(optimizer) not in SUPPORTED:
+        return f"{type(optimizer).__name__} is not SGD, Adam or AdamW"
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            return "the inner optimizer was built with fused=True"
+        if group.get("differentiable"):
+            return "differentiable=True"
+        if group.get("capturable"):
+            return "capturable=True"
+        if group.get("amsgrad"):
+            return "amsgrad=True"
+        for key in ("betas", "momentum", "weight_decay", "eps"):
+            values = group.get(key, ())
+            if any(torch.is_tensor(v) for v in (values if isinstance(values, tuple) else (values,))):
+                return f"tensor-valued {key}"
+    return None
+
+
+def _value(x) -> float:
+    return float(x) if torch.is_tensor(x) else x
+
+
+class FusedBackend:
+    """Runs the step of an SGD/Adam/AdamW inner optimizer as fused kernels over the
+    flat segments of FP16Optimizer's buffers, keeping the inner optimizer's ``state``
+    in its usual per-parameter form (each entry a view of a flat state buffer), so
+    that ``state_dict()`` is the same whichever backend stepped.
+
+    The kernels read the 16-bit gradients and unscale them on the fly, or, after
+    ``unscale(..., materialize=True)`` (what ``FP16Optimizer.unscale_()`` asks for),
+    the unscaled fp32 gradients that it wrote into the masters' ``.grad``.
+    """
+
+    name = "fused"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups, stepped, rounding: str = "nearest") -> None:
+        self.optimizer = optimizer
+        self.groups = groups  # the FlatGroup list
+        self.stepped = stepped
+        self.rounding = rounding
+        self.is_sgd = type(optimizer) is torch.optim.SGD
+        self._flat_state: dict = {}  # (flat group index, state name) -> flat fp32 buffer
+        self._steps: dict = {}  # (flat group index, segment index) -> Adam step counters
+        self._adopted = False
+        self._from_master_grads = False  # this step reads the unscaled fp32 gradients
+        self._inv_scale: torch.Tensor | None = None
+        self._sumsq: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ the phases
+
+    def unscale(self, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
+        """[found_inf]; without ``materialize``, read straight from the 16-bit
+        gradient buffers (and their sum of squares when ``with_norm``)."""
+        from . import kernels
+
+        self._from_master_grads = materialize
+        if materialize:
+            return unscale_into_master_grads(self.groups, scale)
+        device = self.groups[0].device
+        self._inv_scale = kernels.scalar(1.0 / scale, device)
+        kernel = kernels.compiled(kernels.grad_stats, with_norm=with_norm)
+        stats = torch.zeros(2, dtype=torch.float32, device=device)
+        for g in self.groups:
+            stats += kernel(g.grads, self._inv_scale.to(g.device)).to(device)
+        self._sumsq = stats[1]
+        return stats[:1]
+
+    def grad_norm(self) -> torch.Tensor:
+        """From the flat sum of squares, which can differ from clip_grad_norm_'s
+        per-tensor norms in the last bits; from the fp32 gradients as the unfused
+        backend computes it after ``unscale_()``."""
+        return total_norm(self.stepped) if self._from_master_grads else self._sumsq.sqrt()
+
+    def invalidate(self) -> None:
+        """The inner optimizer's state was replaced (load_state_dict): adopt it again."""
+        self._adopted = False
+
+    def _state_names(self, hyper: dict) -> tuple[str, ...]:
+        if self.is_sgd:
+            return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
+        return ("exp_avg", "exp_avg_sq")
+
+    def _adopt(self) -> None:
+        """Make every state tensor a view of a flat buffer, copying in what exists."""
+        state = self.optimizer.state
+        for gi, g in enumerate(self.groups):
+            for si, segment in enumerate(g.segments):
+                hyper = self.optimizer.param_groups[segment.group_index]
+                for name in self._state_names(hyper):
+                    key = (gi, name)
+                    if key not in self._flat_state:
+                        self._flat_state[key] = g.layout.empty(torch.float32, g.device)
+                    views = g.layout.views(self._flat_state[key])
+                    for i in segment.indices:
+                        p, view = g.master_views[i], views[i]
+                        existing = state[p].get(name)
+                        if existing is not None and existing is not view:
+                            view.copy_(existing)
+                        if existing is not None or not self.is_sgd:
+                            state[p][name] = view
+                if not self.is_sgd:
+                    # Adam's per-parameter step counters, as views of one tensor per
+                    # segment, so that a step increments them all with one add.
+                    steps = torch.zeros(len(segment.indices), dtype=torch.float32)
+                    for k, i in enumerate(segment.indices):
+                        existing = state[g.master_views[i]].get("step")
+                        if existing is not None:
+                            steps[k] = float(existing)
+                        state[g.master_views[i]]["step"] = steps[k]
+                    if steps.unique().numel() > 1:
+                        raise RuntimeError("Adam step counters differ within a param group; the fused step "
+                                           "needs them equal (use fused=False)")
+                    self._steps[(gi, si)] = steps
+        self._adopted = True
+
+    def update(self, clip_coef: torch.Tensor | None, noise: list) -> None:
+        """One kernel per segment: update, and write the new 16-bit weights."""
+        from . import kernels
+
+        if not self._adopted:
+            self._adopt()
+        device = self.groups[0].device
+        one = kernels.scalar(1.0, device)
+        inv_scale = one if self._from_master_grads else self._inv_scale
+        clip_coef = one if clip_coef is None else clip_coef
+        for gi, g in enumerate(self.groups):
+            for si, segment in enumerate(g.segments):
+                hyper = self.optimizer.param_groups[segment.group_index]
+                if self.is_sgd:
+                    self._sgd(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi])
+                else:
+                    self._adam(gi, si, g, segment, hyper, inv_scale, clip_coef, noise[gi])
+
+    def _rounding(self, g) -> str:
+        return self.rounding if g.transient else "nearest"
+
+    def _slices(self, gi, g, segment, names, noise):
+        s = segment.range
+        master = g.master[s] if g.has_master else None
+        grad = g.master_grads[s] if self._from_master_grads else g.grads[s]
+        extras = (noise[s] if noise is not None else None, g.comp[s] if g.comp is not None else None)
+        return g.weights[s], grad, master, [self._flat_state[(gi, n)][s] for n in names], extras
+
+    def _sgd(self, gi, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
+        from .kernels import compiled, scalar, sgd_update
+
+        dev = g.device
+        momentum = hyper["momentum"]
+        names = self._state_names(hyper)
+        state = self.optimizer.state
+        first = bool(names) and "momentum_buffer" not in state[g.master_views[segment.indices[0]]]
+        weights, grad, master, bufs, (noise, comp) = self._slices(gi, g, segment, names, noise)
+        compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, self._rounding(g)))(
+            weights, grad, master, bufs[0] if bufs else None, noise, comp, inv_scale, clip_coef,
+            scalar(_value(hyper["lr"]), dev), scalar(hyper["weight_decay"], dev), scalar(momentum, dev),
+            scalar(1 - hyper["dampening"], dev))
+        if first:
+            views = g.layout.views(self._flat_state[(gi, "momentum_buffer")])
+            for i in segment.indices:
+                state[g.master_views[i]]["momentum_buffer"] = views[i]
+
+    def _adam(self, gi, si, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
+        from .kernels import adam_update, compiled, scalar
+
+        dev = g.device
+        steps = self._steps[(gi, si)]
+        steps += 1
+        step = float(steps[0])
+        lr, (beta1, beta2), wd, eps = _value(hyper["lr"]), hyper["betas"], hyper["weight_decay"], hyper["eps"]
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        weights, grad, master, (exp_avg, exp_avg_sq), (noise, comp) = self._slices(
+            gi, g, segment, ("exp_avg", "exp_avg_sq"), noise)
+        compiled(adam_update, **self._adam_flags(hyper, master is not None, self._rounding(g)))(
+            weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_scale, clip_coef, scalar(wd, dev),
+            scalar(1 - lr * wd, dev), scalar(1 - beta1, dev), scalar(beta2, dev), scalar(1 - beta2, dev),
+            scalar(bias_correction2**0.5, dev), scalar(eps, dev), scalar(-step_size, dev))
+
+    @staticmethod
+    def _sgd_flags(hyper: dict, has_master: bool, first: bool, rounding: str) -> dict:
+        return dict(has_master=has_master, has_weight_decay=hyper["weight_decay"] != 0,
+                    has_momentum=hyper["momentum"] != 0, first_step=first, nesterov=bool(hyper["nesterov"]),
+                    maximize=bool(hyper["maximize"]), rounding=rounding)
+
+    @staticmethod
+    def _adam_flags(hyper: dict, has_master: bool, rounding: str) -> dict:
+        return dict(has_master=has_master, has_weight_decay=hyper["weight_decay"] != 0,
+                    decoupled=bool(hyper.get("decoupled_weight_decay", False)), maximize=bool(hyper["maximize"]),
+                    rounding=rounding)
+
+    def copy_back(self, noise: list) -> None:
+        """Nothing to copy: the kernels wrote the 16-bit weights. The fp32 gradients of
+        groups without master weights, if ``unscale_()`` made them, are freed."""
+        for g in self.groups:
+            g.release()
+
+    def prepare(self, fp32_grads: bool = False, max_numel: int = 1 << 20) -> None:
+        """Compile every kernel variant this optimizer will need, on scratch tensors,
+        so that a compile failure shows before any real buffer is written; with
+        ``fp32_grads``, also the variants that read the fp32 gradients ``unscale_()``
+        makes (otherwise they compile at their first use).
+
+        The scratch tensors have ``max_numel`` elements whatever the real sizes:
+        inductor decides from the first example whether a CPU loop runs on several
+        threads, and the compiled kernel keeps that decision for every later size (its
+        shapes are dynamic); a small first example would leave ResNet-50's step
+        single-threaded."""
+        from .kernels import adam_update, compiled, grad_stats, scalar, sgd_update
+
+        numel = max_numel
+        seen = set()  # a param group split into several segments needs its kernels once
+        for g in self.groups:
+            dev, dtype = g.device, g.dtype
+            one = scalar(1.0, dev)
+            for with_norm in (False, True):
+                compiled(grad_stats, with_norm=with_norm)(torch.zeros(numel, dtype=dtype, device=dev), one)
+            for segment in g.segments:
+                hyper = self.optimizer.param_groups[segment.group_index]
+                rounding = self._rounding(g)
+                flags = (self._sgd_flags(hyper, g.has_master, False, rounding) if self.is_sgd
+                         else self._adam_flags(hyper, g.has_master, rounding))
+                if (dev, dtype, tuple(flags.items())) in seen:
+                    continue
+                seen.add((dev, dtype, tuple(flags.items())))
+                weights = torch.zeros(numel, dtype=dtype, device=dev)
+                master = torch.zeros(numel, device=dev) if g.has_master else None
+                bufs = [torch.zeros(numel, device=dev) for _ in range(2)]
+                noise = torch.zeros(numel, device=dev) if rounding == "stochastic" else None
+                comp = torch.zeros(numel, dtype=dtype, device=dev) if rounding == "kahan" else None
+                for grad_dtype in (dtype, torch.float32) if fp32_grads and g.half else (dtype,):
+                    grad = torch.zeros(numel, dtype=grad_dtype, device=dev)
+                    if self.is_sgd:
+                        for first in (True, False):
+                            compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, rounding))(
+                                weights, grad, master, bufs[0], noise, comp, one, one, one, one, one, one)
+                    else:
+                        compiled(adam_update, **self._adam_flags(hyper, master is not None, rounding))(
+                            weights, grad, master, bufs[0], bufs[1], noise, comp, one, one, one, one, one, one,
+                            one, one, one, one)
