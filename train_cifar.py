@@ -11,9 +11,7 @@ Real CIFAR-10 (torchvision's cifar-10-batches-py folder, or its parent), on 8 GP
 Several machines: torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d
 --rdzv-endpoint HOST:29400 train_cifar.py ... on each of them.
 
-Measured (2026-11-30, 2-core CPU): `python train_cifar.py` on the embedded data ran
-in 1m42s of wall time and reached 94.4% validation accuracy (chance: 10%), after
-45.8% and 90.1% at the first two epochs.
+Measured times and accuracies: docs/BENCHMARKS.md.
 """
 
 import sys

@@ -36,11 +36,12 @@ def train(precision: str, steps: int) -> float:
         loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
         opt.zero_grad()
         opt.backward(loss)
-        opt.step()
+        stepped = opt.step()
         sched.step()
         if step % max(1, steps // 5) == 0:
+            norm = f"{opt.last_grad_norm:.3f}" if stepped else "- (skipped)"  # no norm on a skipped step
             print(f"  [{precision}] step {step:4d}  loss {loss.item():.4f}  scale {opt.loss_scale:g}  "
-                  f"skipped {opt.skipped_steps}  grad_norm {opt.last_grad_norm:.3f}")
+                  f"skipped {opt.skipped_steps}  grad_norm {norm}")
     xv, yv = make_data(2048, seed=1)
     with torch.no_grad():
         acc = (model(xv).argmax(1) == yv).float().mean().item()

@@ -59,7 +59,6 @@ class LossScaler:
         self._scale = _f32(scale)
         self.stuck_after = int(stuck_after)
         self.overflows_at_floor = 0  # consecutive overflowing steps taken at the floor
-        self.consecutive_overflows = 0
 
     @property
     def scale(self) -> float:
@@ -78,11 +77,9 @@ class LossScaler:
             LossScaleStuckError: after ``stuck_after`` consecutive overflows at the floor.
         """
         if not found_inf:
-            self.consecutive_overflows = 0
             self.overflows_at_floor = 0
             self._grow()
             return
-        self.consecutive_overflows += 1
         at_floor = self._scale <= self.floor
         self._back_off()
         self.overflows_at_floor = self.overflows_at_floor + 1 if at_floor else 0
@@ -105,7 +102,6 @@ class LossScaler:
         """Plain numbers only, so that ``torch.load(weights_only=True)`` reads it."""
         return {
             "scale": self._scale,
-            "consecutive_overflows": self.consecutive_overflows,
             "overflows_at_floor": self.overflows_at_floor,
         }
 
@@ -114,7 +110,6 @@ class LossScaler:
         if missing:
             raise ValueError(f"loss scaler state_dict is missing {', '.join(missing)}")
         self._scale = _f32(float(state["scale"]))
-        self.consecutive_overflows = int(state["consecutive_overflows"])
         self.overflows_at_floor = int(state["overflows_at_floor"])
 
     def __repr__(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -25,6 +26,7 @@ def _entry(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple)
         result = fn(rank, *args)
     except BaseException:
         result = {"exception": traceback.format_exc()}
+    gc.collect()  # the worker's DDP module and process group go while Python is alive (mdist.teardown)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

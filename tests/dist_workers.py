@@ -360,3 +360,25 @@ def script_in_own_folder(rank, root, folders, argv, nudge_rank=None):
     with contextlib.redirect_stderr(err):
         status = cli.run("cifar", argv)
     return {"status": status, "stderr": err.getvalue()}
+
+
+def unscale_under_ddp(rank, fused):
+    """Clipping by the constructor's max_grad_norm, and by clip_grad_norm_ after
+    unscale_(), under DDP (apex's order): the final parameters of each."""
+    mdist.init(timeout_s=120)
+    out = {}
+    for how in ("max_grad_norm", "unscale"):
+        model = mpfp16.to_half(mlp(norm="ln"))
+        ddp = mdist.wrap(model)
+        opt = mpfp16.FP16Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), loss_scale=1024.0,
+                                   fused=fused, max_grad_norm=0.05 if how == "max_grad_norm" else None)
+        for x, y in global_batches(3):
+            opt.zero_grad()
+            opt.backward(nn.functional.cross_entropy(ddp(shard(x, rank, 2)), shard(y, rank, 2)))
+            if how == "unscale":
+                opt.unscale_()
+                torch.nn.utils.clip_grad_norm_(opt.master_params(), 0.05)
+            assert opt.step()
+        out[how] = flat_params(model)
+    mdist.teardown()
+    return out

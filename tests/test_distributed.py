@@ -260,3 +260,14 @@ def test_a_group_of_one_says_one_process(monkeypatch, capsys):
     finally:
         mdist.teardown()
     assert "distributed: 1 process, backend gloo" in capsys.readouterr().out
+
+
+@slow
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_unscale_and_your_own_clipping_under_ddp(tmp_path, fused):
+    r0, r1 = run_workers(W.unscale_under_ddp, tmp_path, args=(fused,), timeout=300)
+    assert torch.equal(r0["unscale"], r1["unscale"])  # replicas identical
+    if fused:  # the constructor's norm comes from a flat sum of squares: equal to fp32 rounding
+        torch.testing.assert_close(r0["unscale"], r0["max_grad_norm"], rtol=2e-3, atol=1e-5)
+    else:
+        assert torch.equal(r0["unscale"], r0["max_grad_norm"])

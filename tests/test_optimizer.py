@@ -309,13 +309,21 @@ def test_model_zero_grad_is_repaired():
     assert_same_params(model, ref_model)
 
 
-def test_one_host_sync_per_step(monkeypatch):
-    """Unscale, overflow check, clipping and copy-back read one value back to the host."""
+@pytest.mark.parametrize("kind,fused,unscale", [("adamw", False, False), ("sgd", True, False), ("sgd", True, True)],
+                         ids=["unfused-adamw", "fused-sgd", "fused-sgd-unscale_"])
+def test_one_host_sync_per_step(monkeypatch, kind, fused, unscale):
+    """Unscale, overflow check, clipping and copy-back read one value back to the host,
+    on either backend (the fused one compiles in a first, uncounted step)."""
     model = mpfp16.to_half(tiny_mlp(0))
-    opt = mpfp16.FP16Optimizer(torch.optim.AdamW(model.parameters()), max_grad_norm=1.0)
-    x, y = batches(1)[0]
+    opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), max_grad_norm=1.0, fused=fused)
+    (x, y), (x2, y2) = batches(2)
     opt.zero_grad()
     opt.backward(nn.functional.cross_entropy(model(x), y))
+    if unscale:
+        opt.unscale_()
+    assert opt.step() and opt.fused == fused
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model(x2), y2))
     calls = []
     inner_step = opt.optimizer.step
 
@@ -329,6 +337,8 @@ def test_one_host_sync_per_step(monkeypatch):
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name,
                             lambda self, *a, _o=original, _n=name, **k: (calls.append(_n), _o(self, *a, **k))[1])
+    if unscale:
+        opt.unscale_()
     assert opt.step()
     monkeypatch.undo()
     assert calls == ["item"]
@@ -538,3 +548,41 @@ def test_weights_written_after_the_optimizer_was_built_reach_the_masters():
     assert_same_params(late, early)
     for a, b in zip(late_opt.master_params(), early_opt.master_params()):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------- state_dict that does not fit
+
+
+def _trained_state(dtype=torch.float16, **kw):
+    model = mpfp16.to_half(tiny_mlp(0), dtype)
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_scale=None, **kw)
+    train_mpfp16(model, opt, batches(2))
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("saved,here,match", [
+    (dict(), dict(master_weights=False), "saved with master_weights=True and this optimizer has master_weights=False"),
+    (dict(master_weights=False, rounding="stochastic"), dict(master_weights=False, rounding="kahan"),
+     "saved with rounding='stochastic' and this optimizer uses rounding='kahan'"),
+    (dict(dtype=torch.float16), dict(dtype=torch.bfloat16), "parameter 0 is float16 in the state_dict and bfloat16"),
+], ids=["master-weights", "rounding", "dtype"])
+def test_a_state_dict_of_another_kind_is_refused_before_anything_changes(saved, here, match):
+    state = _trained_state(**saved)
+    dtype = here.pop("dtype", torch.float16)
+    model = mpfp16.to_half(tiny_mlp(1), dtype)
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_scale=None, **here)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not opt.state and opt.iteration == 0
+
+
+def test_a_kahan_buffer_of_another_size_is_refused():
+    state = _trained_state(master_weights=False, rounding="kahan")
+    state["kahan_compensation"][0] = state["kahan_compensation"][0][:-16]
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_scale=None,
+                               master_weights=False, rounding="kahan")
+    with pytest.raises(ValueError, match=r"^Kahan compensation buffer 0 has \d+ elements in the state_dict and "):
+        opt.load_state_dict(state)

@@ -157,38 +157,49 @@ def grad_stats(grad, inv_scale, *, with_norm: bool):
 _COMPILED: dict = {}
 
 
+def _signature(args) -> tuple:
+    """What dynamo specializes a kernel on besides sizes: each argument's dtype and
+    device, or that it is None."""
+    return tuple((a.dtype, a.device.type) if isinstance(a, torch.Tensor) else None for a in args)
+
+
 def compiled(fn, **static):
     """``fn`` compiled with ``torch.compile(dynamic=True)``, with the keyword flags in
-    ``static`` fixed, made once per (fn, flags).
+    ``static`` fixed, made once per (fn, flags, argument dtypes and devices).
 
-    Each flag combination gets a code object of its own. Dynamo keeps its compiled
-    variants per code object, up to ``recompile_limit`` (8); past it, it silently
-    runs the function eagerly, where inductor's ``fma`` prim is a multiply and an add
-    with two roundings: no longer bit-exact. Separate code objects keep every
-    combination compiled, and calls run with ``fail_on_recompile_limit_hit`` so that
-    an eager fallback is an error, never a silent change of numerics.
+    Each such combination gets a code object of its own. Dynamo keeps its compiled
+    variants per code object, up to ``recompile_limit`` (8); past it, it runs the
+    function eagerly, where inductor's ``fma`` prim is a multiply and an add with two
+    roundings: no longer bit-exact. A code object per combination (fp16 or bf16
+    weights, 16-bit or fp32 gradients after ``unscale_()``, CPU or CUDA) keeps every
+    one compiled, and calls run with ``fail_on_recompile_limit_hit`` so that an eager
+    fallback is an error, never a silent change of numerics.
 
     ``emulate_precision_casts`` keeps every cast to 16 bits a real rounding (by
     default inductor may drop a cast down and back up, and stochastic rounding needs
     the nearest 16-bit value). The on-disk caches of compiled graphs are off for
-    these kernels: their keys
-    ignore the example sizes from which inductor decided how many threads a CPU loop
-    uses, so a kernel first compiled on a small tensor (a test) came back
-    single-threaded for ResNet-50 and made its AdamW step 1.5x slower.
+    these kernels: their keys ignore the example sizes from which inductor decided
+    how many threads a CPU loop uses, so a kernel first compiled on a small tensor (a
+    test) came back single-threaded for ResNet-50 and made its AdamW step 1.5x slower.
     """
-    key = (fn, tuple(sorted(static.items())))
-    if key not in _COMPILED:
-        name = fn.__name__ + "".join(f"__{k}_{v if isinstance(v, str) else int(v)}" for k, v in key[1])
-        code = fn.__code__.replace(co_name=name, co_qualname=name)
-        variant = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-        kernel = torch.compile(variant, dynamic=True)
+    flags = tuple(sorted(static.items()))
 
-        def call(*args, _kernel=kernel, _static=static):
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
-                    torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False,
-                                                 emulate_precision_casts=True), \
-                    torch._functorch.config.patch(enable_autograd_cache=False):
-                return _kernel(*args, **_static)
+    def call(*args):
+        key = (fn, flags, _signature(args))
+        if key not in _COMPILED:
+            _COMPILED[key] = _compile_variant(fn, flags, len(_COMPILED))
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
+                torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False,
+                                             emulate_precision_casts=True), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            return _COMPILED[key](*args, **static)
 
-        _COMPILED[key] = call
-    return _COMPILED[key]
+    return call
+
+
+def _compile_variant(fn, flags: tuple, serial: int):
+    """``fn`` under a code object of its own (named for its flags), compiled."""
+    name = fn.__name__ + "".join(f"__{k}_{v if isinstance(v, str) else int(v)}" for k, v in flags) + f"__v{serial}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    variant = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    return torch.compile(variant, dynamic=True)

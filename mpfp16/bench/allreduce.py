@@ -223,13 +223,16 @@ def _steps(net, opt, batch, accum: int, steps: int, sync_every_micro: bool, stat
 
 
 def _warm_up(net, opt, batch, accum: int, sync_every_micro: bool, stats) -> None:
-    """Steps until one is not skipped: the dynamic loss scale settles (a random-init
-    ResNet-50 at batch 4 needs about 32) before anything is timed."""
+    """Steps until one is not skipped, at most 25: the dynamic loss scale backs off
+    from its initial 2^16 (by half per skipped step) until the gradients fit, so that
+    the timed steps are real steps, not skips."""
     for _ in range(25):
         skipped = opt.skipped_steps
         _steps(net, opt, batch, accum, 1, sync_every_micro, stats)
         if opt.skipped_steps == skipped:
             return
+    print(f"warning: every warm-up step was skipped (loss scale now {opt.loss_scale:g}); the timed steps may be "
+          "skips too", file=sys.stderr)
 
 
 def model_view(args, info: mdist.DistInfo) -> list[dict]:

@@ -15,7 +15,10 @@ method's ratio to torch's own fp32 step:
      copy the master back into the fp16 weight;
   d. mpfp16 FP16Optimizer.step() (fused path) over fp16 weights with fp32 masters;
   e. the same with fused=False (the inner optimizer steps per-tensor master views);
-  f. mpfp16 without master weights (fused).
+  f. mpfp16 without master weights (fused);
+  g. d with ``unscale_()`` called before ``step()`` (the order of a user who clips
+     with their own function): the fp32 gradients the fused step otherwise never
+     writes, and kernels that read them.
 
 It also reports the optimizer-side memory in bytes per parameter of each mpfp16 mode.
 """
@@ -133,6 +136,10 @@ class _Mpfp16:
     def step(self) -> bool:
         return self.opt.step()
 
+    def unscale_and_step(self) -> bool:
+        self.opt.unscale_()
+        return self.opt.step()
+
 
 def compare(methods: dict, rounds: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
     times = {name: [] for name in methods}
@@ -174,6 +181,7 @@ def main(argv=None) -> int:
     fused16 = _Mpfp16(kind, params, fused=True)
     unfused16 = _Mpfp16(kind, params, fused=False)
     nomaster16 = _Mpfp16(kind, params, master_weights=False, fused=True)
+    unscaled16 = _Mpfp16(kind, params, fused=True)
     a_name = f"a. torch fp32 {'SGD foreach' if kind == 'sgd' else kind + ' fused'}"
     methods = {
         a_name: (None, fp32_reference(kind, params)),
@@ -182,9 +190,10 @@ def main(argv=None) -> int:
         "d. mpfp16 fp16+masters": (fused16._touch, fused16.step),
         "e. mpfp16 unfused": (unfused16._touch, unfused16.step),
         "f. mpfp16 no masters": (nomaster16._touch, nomaster16.step),
+        "g. mpfp16 fused, unscale_()": (unscaled16._touch, unscaled16.unscale_and_step),
     }
     times = compare(methods, args.rounds, args.warmup, device)
-    if not (fused16.opt.fused and nomaster16.opt.fused):
+    if not (fused16.opt.fused and nomaster16.opt.fused and unscaled16.opt.fused):
         print("warning: the fused path was not used (see the log line above)", file=sys.stderr)
     ref = statistics.median(times[a_name])
     rows = []

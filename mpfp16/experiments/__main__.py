@@ -11,8 +11,6 @@ import argparse
 import sys
 import time
 
-import torch
-
 from . import EXPERIMENTS
 
 
@@ -36,7 +34,6 @@ def main(argv=None) -> int:
 
     from . import common, loss_scale, lost_updates, regularizer, underflow
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     setup = common.quick(common.Setup()) if args.quick else common.Setup()
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     for name in names:

@@ -15,6 +15,14 @@ from . import common as C
 NAME = "lost-updates"
 
 
+def lost_fraction(old: torch.Tensor, update: torch.Tensor) -> float:
+    """The share of the non-zero fp32 ``update``s of fp32 weights ``old`` that would
+    vanish added to the fp16 weight directly: fp16(old + update) == fp16(old)."""
+    moved = update != 0
+    lost = ((old + update).half() == old.half()) & moved
+    return lost.sum().item() / max(1, moved.sum().item())
+
+
 def run(setup: C.Setup, seed: int, out_dir: str, doc: str) -> dict:
     model, opt = C.build("fp16 + masters", setup, seed)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -32,10 +40,7 @@ def run(setup: C.Setup, seed: int, out_dir: str, doc: str) -> dict:
             return
         steps.append(step)
         for (name, p, m), old in zip(tracked, before):
-            update = m.detach() - old
-            moved = update != 0
-            lost = ((old + update).half() == old.half()) & moved
-            history[name].append(lost.sum().item() / max(1, moved.sum().item()))
+            history[name].append(lost_fraction(old, m.detach() - old))
 
     acc = C.train(model, opt, setup, seed, on_step=measure, on_before_step=snapshot)
 

@@ -1,11 +1,55 @@
-"""The training configuration shared by train_cifar.py and train_imagenet.py."""
+"""The training configuration shared by train_cifar.py and train_imagenet.py: the one
+source of its defaults, and of the rules between its settings.
+
+A setting whose default depends on the task, or on whether the data is real or the
+embedded synthetic set, is None in the dataclass and filled in by ``__post_init__``
+from :data:`TASK_DEFAULTS` and :data:`DATA_DEFAULTS`; the command line shows the same
+values in ``--help`` (:func:`default_text`) and passes only the flags that were given.
+:meth:`TrainConfig.validate` checks the rules between settings, for the command line
+and for code that builds a config itself.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
-__all__ = ["TrainConfig", "FREE_ON_RESUME"]
+from ..comm import STRATEGIES
+from ..errors import UserError
+from ..rounding import ROUNDINGS
+from .schedule import SCHEDULES
+
+__all__ = ["TrainConfig", "ConfigError", "FREE_ON_RESUME", "TASK_DEFAULTS", "DATA_DEFAULTS", "SYNTHETIC_SIZES",
+           "OPTIMIZERS", "PRECISIONS", "WIRE_DTYPES", "BAD_IMAGE_POLICIES", "FUSED_CHOICES", "default_text"]
+
+OPTIMIZERS = ("sgd", "adamw")
+PRECISIONS = ("fp32", "fp16", "bf16")
+WIRE_DTYPES = ("fp16", "bf16", "fp32")
+BAD_IMAGE_POLICIES = ("fail", "skip")
+FUSED_CHOICES = ("auto", "on", "off")
+
+# Defaults that differ between the two tasks.
+TASK_DEFAULTS = {
+    "cifar": {"workers": 0, "image_size": 32, "weight_decay": 5e-4, "nesterov": True, "warmup_epochs": 0.0,
+              "lr_schedule": "onecycle", "scale_lr": False},
+    "imagenet": {"workers": 4, "image_size": 224, "weight_decay": 1e-4, "nesterov": False, "warmup_epochs": 5.0,
+                 "lr_schedule": "cosine", "scale_lr": True},
+}
+# (train, val) images of the embedded synthetic set, when --synthetic-size is not given.
+SYNTHETIC_SIZES = {"cifar": (5000, 1000), "imagenet": (2000, 400)}
+# Defaults that also differ between real data and the embedded synthetic set, which
+# must train on a 2-core CPU in fp16 in about two minutes.
+DATA_DEFAULTS = {
+    "cifar": {
+        "real": {"arch": "resnet9", "epochs": 24, "batch_size": 512, "lr": 0.4},
+        "embedded": {"arch": "resnet9-w8", "epochs": 3, "batch_size": 128, "lr": 0.4},
+    },
+    "imagenet": {
+        "real": {"arch": "resnet50", "epochs": 90, "batch_size": 256, "lr": 0.1},
+        "embedded": {"arch": "resnet18", "epochs": 2, "batch_size": 32, "lr": 0.1},
+    },
+}
 
 # Settings that change neither the sample order, the schedule nor the result of a
 # step: where the data lives and how it is read, how often to log, save and check,
@@ -18,34 +62,38 @@ FREE_ON_RESUME = frozenset({
 })
 
 
+class ConfigError(UserError, ValueError):
+    """Settings that contradict each other, or a name that means nothing."""
+
+
 @dataclass
 class TrainConfig:
     task: str  # "cifar" | "imagenet"
     # data
-    data: str | None = None
-    workers: int = 0
-    image_size: int = 32
+    data: str | None = None  # None: the embedded synthetic set
+    workers: int | None = None
+    image_size: int | None = None
     bad_images: str = "fail"
     synthetic_size: tuple[int, int] | None = None  # (train, val) images of the embedded set
     # model
-    arch: str = "resnet9"
+    arch: str | None = None
     channels_last: bool = False
     zero_init_residual: bool = False
     # optimization
-    epochs: int = 1
+    epochs: int | None = None
     max_steps: int | None = None
-    batch_size: int = 128
+    batch_size: int | None = None
     accum_steps: int = 1
     optimizer: str = "sgd"
-    lr: float = 0.1
-    scale_lr: bool = False  # lr is for a global batch of 256 and scales linearly
+    lr: float | None = None
+    scale_lr: bool | None = None  # lr is for a global batch of 256 and scales linearly
     momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 5e-4
+    nesterov: bool | None = None
+    weight_decay: float | None = None
     no_bn_wd: bool = False
     label_smoothing: float = 0.0
-    warmup_epochs: float = 0.0
-    lr_schedule: str = "cosine"
+    warmup_epochs: float | None = None
+    lr_schedule: str | None = None
     resize_phases: list[tuple[int, int]] = field(default_factory=list)  # (start epoch, image size)
     seed: int = 0
     # precision
@@ -76,6 +124,45 @@ class TrainConfig:
     overwrite: bool = False  # a fresh run may replace the checkpoints and metrics already in checkpoint_dir
     allow_changed_config: bool = False  # resume even where the settings that give the run its meaning changed
 
+    def __post_init__(self) -> None:
+        if self.task not in TASK_DEFAULTS:
+            raise ConfigError(f"unknown task {self.task!r}; choose one of {', '.join(TASK_DEFAULTS)}")
+        defaults = {**TASK_DEFAULTS[self.task], **DATA_DEFAULTS[self.task][_data_kind(self.data)]}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.synthetic_size is not None:
+            self.synthetic_size = tuple(self.synthetic_size)
+        self.resize_phases = [tuple(p) for p in self.resize_phases]
+
+    def validate(self) -> TrainConfig:
+        """Raise :class:`ConfigError` (one line, in the flags' words) for a name that
+        means nothing or settings that contradict each other; return ``self``."""
+        for name, allowed in (("optimizer", OPTIMIZERS), ("precision", PRECISIONS), ("rounding", ROUNDINGS),
+                              ("lr_schedule", SCHEDULES), ("allreduce_strategy", STRATEGIES),
+                              ("bad_images", BAD_IMAGE_POLICIES), ("fused", FUSED_CHOICES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"unknown {_flag(name)} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        if self.allreduce_dtype not in (None,) + WIRE_DTYPES:
+            raise ConfigError(f"unknown --allreduce-dtype {self.allreduce_dtype!r}; choose one of "
+                              f"{', '.join(WIRE_DTYPES)}")
+        if self.loss_scale != "dynamic" and not (
+                isinstance(self.loss_scale, (int, float)) and math.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise ConfigError(f"--loss-scale must be 'dynamic' or a positive number, got {self.loss_scale!r}")
+        if self.precision != "fp16" and self.loss_scale != "dynamic":
+            raise ConfigError(f"--loss-scale applies to fp16 only, not --precision {self.precision}")
+        if self.allreduce_strategy == "fp32_accumulate" and self.allreduce_dtype is not None:
+            raise ConfigError("--allreduce-strategy fp32_accumulate sends the parameters' own dtype; "
+                              "drop --allreduce-dtype")
+        if self.rounding != "nearest" and self.master_weights:
+            raise ConfigError(f"--rounding {self.rounding} needs --no-master-weights")
+        if self.evaluate and self.resume is None:
+            raise ConfigError("--evaluate needs --resume PATH (or auto)")
+        if self.overwrite and self.resume is not None:
+            raise ConfigError("--overwrite starts a new run in place of the old one; it cannot be combined with "
+                              "--resume")
+        return self
+
     def changed_on_resume(self, saved: dict) -> list[tuple[str, object, object]]:
         """(name, saved value, value now) for each setting whose change would make a
         resumed run differ from an uninterrupted one: the sample order, the schedule,
@@ -91,3 +178,29 @@ class TrainConfig:
         out["resize_phases"] = [list(p) for p in self.resize_phases]
         out["synthetic_size"] = list(self.synthetic_size) if self.synthetic_size else None
         return out
+
+
+def _data_kind(data: str | None) -> str:
+    return "embedded" if data is None else "real"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def default_text(task: str, name: str) -> str:
+    """The default of setting ``name`` for ``task`` as ``--help`` shows it: one value,
+    or the values on real and on embedded data when they differ."""
+    def show(value):
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, tuple):
+            return ",".join(map(str, value))
+        return str(value)
+
+    if name in DATA_DEFAULTS[task]["real"]:
+        real, embedded = DATA_DEFAULTS[task]["real"][name], DATA_DEFAULTS[task]["embedded"][name]
+        return show(real) if real == embedded else f"{show(real)}; {show(embedded)} on the embedded data"
+    if name in TASK_DEFAULTS[task]:
+        return show(TASK_DEFAULTS[task][name])
+    return show(next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name))

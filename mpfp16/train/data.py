@@ -26,10 +26,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision.transforms import v2
 
 from ..errors import DataError, one_line
+from .config import BAD_IMAGE_POLICIES
 
 __all__ = ["DataSpec", "synthetic_images", "load_cifar10", "ImageFolderSplit", "InMemoryImages",
-           "ResumableDistributedSampler", "ShardSampler", "make_loader", "cifar_data", "imagenet_data",
-           "BAD_IMAGE_POLICIES"]
+           "ResumableDistributedSampler", "ShardSampler", "make_loader", "cifar_data", "imagenet_data"]
 
 logger = logging.getLogger("mpfp16")
 
@@ -37,7 +37,6 @@ CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-BAD_IMAGE_POLICIES = ("fail", "skip")
 
 
 @dataclass
@@ -50,7 +49,6 @@ class DataSpec:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     description: str
-    synthetic: bool
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -312,22 +310,22 @@ def _cifar_train_transform(size: int):
     return v2.Compose([v2.RandomCrop(size, padding=size // 8, padding_mode="reflect"), v2.RandomHorizontalFlip()])
 
 
-def cifar_data(root: str | None, seed: int, synthetic_size: tuple[int, int] = (5000, 1000)) -> DataSpec:
+def cifar_data(root: str | None, seed: int, synthetic_size: tuple[int, int]) -> DataSpec:
     """CIFAR-10 from ``root``, or the embedded synthetic set (32x32, 10 classes)."""
     if root is None:
         (xtr, ytr), (xva, yva) = synthetic_images(synthetic_size[0], 32, 10, seed=1), \
             synthetic_images(synthetic_size[1], 32, 10, seed=2)
         desc = (f"embedded synthetic data: {len(ytr)} training and {len(yva)} validation images, "
                 "32x32, 10 classes (pass a CIFAR-10 folder to train on real data)")
-        mean, std, synthetic = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True
+        mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
     else:
         (xtr, ytr), (xva, yva) = load_cifar10(root)
         desc = f"CIFAR-10 from {root}: {len(ytr)} training and {len(yva)} test images"
-        mean, std, synthetic = CIFAR_MEAN, CIFAR_STD, False
+        mean, std = CIFAR_MEAN, CIFAR_STD
     if len(ytr) == 0 or len(yva) == 0:
         raise DataError(f"{root}: the training or the test split is empty")
     return DataSpec(InMemoryImages(xtr, ytr, _cifar_train_transform(32), seed), InMemoryImages(xva, yva),
-                    10, mean, std, desc, synthetic)
+                    10, mean, std, desc)
 
 
 def imagenet_transforms(size: int):
@@ -336,8 +334,8 @@ def imagenet_transforms(size: int):
     return train, val
 
 
-def imagenet_data(root: str | None, image_size: int, seed: int, bad_images: str = "fail",
-                  synthetic_size: tuple[int, int] = (2000, 400), synthetic_classes: int = 10) -> DataSpec:
+def imagenet_data(root: str | None, image_size: int, seed: int, bad_images: str,
+                  synthetic_size: tuple[int, int], synthetic_classes: int = 10) -> DataSpec:
     """An ImageFolder root with ``train/`` and ``val/``, or the embedded synthetic set."""
     train_tf, val_tf = imagenet_transforms(image_size)
     if root is None:
@@ -347,10 +345,10 @@ def imagenet_data(root: str | None, image_size: int, seed: int, bad_images: str 
         desc = (f"embedded synthetic data: {len(ytr)} training and {len(yva)} validation images, "
                 f"{stored}x{stored}, {synthetic_classes} classes (pass an ImageFolder root to train on real data)")
         return DataSpec(InMemoryImages(xtr, ytr, train_tf, seed), InMemoryImages(xva, yva, val_tf), synthetic_classes,
-                        (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), desc, True)
+                        (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), desc)
     if not os.path.exists(root):
         raise DataError(f"data path {root} does not exist")
     train = ImageFolderSplit(os.path.join(root, "train"), train_tf, seed, bad_images)
     val = ImageFolderSplit(os.path.join(root, "val"), val_tf, seed, bad_images, class_to_idx=train.class_to_idx)
     desc = f"ImageFolder {root}: {len(train)} training and {len(val)} validation images, {len(train.classes)} classes"
-    return DataSpec(train, val, len(train.classes), IMAGENET_MEAN, IMAGENET_STD, desc, False)
+    return DataSpec(train, val, len(train.classes), IMAGENET_MEAN, IMAGENET_STD, desc)

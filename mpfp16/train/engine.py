@@ -28,7 +28,7 @@ from ..optimizer import FP16Optimizer
 from . import checkpoint as ckpt_io
 from . import data as data_mod
 from . import models, rundir
-from .config import TrainConfig
+from .config import SYNTHETIC_SIZES, TrainConfig
 from .metrics import MetricsWriter
 from .preemption import StopSignals, Stopped
 from .schedule import lr_multiplier
@@ -38,8 +38,7 @@ __all__ = ["Trainer", "train"]
 logger = logging.getLogger("mpfp16")
 
 CHECKPOINT_FORMAT = "mpfp16.checkpoint/1"
-PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-WIRE_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _fmt_time(seconds: float) -> str:
@@ -183,10 +182,10 @@ class Trainer:
     def _build_data(self) -> data_mod.DataSpec:
         cfg, info = self.cfg, self.info
         if cfg.task == "cifar":
-            spec = data_mod.cifar_data(cfg.data, cfg.seed, *([cfg.synthetic_size] if cfg.synthetic_size else []))
+            spec = data_mod.cifar_data(cfg.data, cfg.seed, cfg.synthetic_size or SYNTHETIC_SIZES[cfg.task])
         else:
             spec = data_mod.imagenet_data(cfg.data, self._image_size(0), cfg.seed, cfg.bad_images,
-                                          *([cfg.synthetic_size] if cfg.synthetic_size else []))
+                                          cfg.synthetic_size or SYNTHETIC_SIZES[cfg.task])
         logger.info("data: %s", spec.description)
         self.train_sampler = data_mod.ResumableDistributedSampler(spec.train, info.world_size, info.rank,
                                                                   shuffle=True, seed=cfg.seed)
@@ -215,7 +214,7 @@ class Trainer:
         model = model.to(self.device)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        dtype = PRECISION_DTYPES[cfg.precision]
+        dtype = TORCH_DTYPES[cfg.precision]
         if dtype != torch.float32:
             to_half(model, dtype)
         else:
@@ -234,11 +233,10 @@ class Trainer:
             logger.info("learning rate %.4g for a global batch of %d (%.4g per 256)", lr,
                         cfg.batch_size * cfg.accum_steps * self.info.world_size, cfg.lr)
         groups = param_groups(self.model, cfg.weight_decay, cfg.no_bn_wd)
+        build = {"sgd": lambda: torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov),
+                 "adamw": lambda: torch.optim.AdamW(groups, lr=lr)}
         try:
-            if cfg.optimizer == "sgd":
-                inner = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-            else:
-                inner = torch.optim.AdamW(groups, lr=lr)
+            inner = build[cfg.optimizer]()  # validate() refused any other name
         except ValueError as exc:  # e.g. Nesterov without momentum
             raise UserError(f"optimizer settings: {exc}") from None
         loss_scale = None if cfg.precision != "fp16" else cfg.loss_scale
@@ -255,7 +253,7 @@ class Trainer:
         if not self.info.distributed:
             return self.model
         cfg = self.cfg
-        return mdist.wrap(self.model, allreduce_dtype=WIRE_DTYPES[cfg.allreduce_dtype],
+        return mdist.wrap(self.model, allreduce_dtype=TORCH_DTYPES.get(cfg.allreduce_dtype),
                           predivide_factor=cfg.predivide_factor, bucket_mb=cfg.bucket_mb,
                           strategy=cfg.allreduce_strategy)
 
@@ -627,6 +625,7 @@ class Trainer:
 def train(cfg: TrainConfig) -> dict:
     """Set up torch.distributed from the environment, run, and tear down. SIGTERM and
     SIGINT stop the run cleanly (mpfp16/train/preemption.py)."""
+    cfg.validate()
     info = mdist.init(backend=cfg.dist_backend, timeout_s=cfg.dist_timeout, device=cfg.device)
     signals = StopSignals(announce=info.is_main_process).install()
     trainer = None
@@ -637,4 +636,5 @@ def train(cfg: TrainConfig) -> dict:
         signals.uninstall()
         if trainer is not None:
             trainer.release()
+        trainer = None  # its DDP module goes before the process group (mdist.teardown)
         mdist.teardown()
