@@ -9,9 +9,10 @@ A :class:`FlatGroup` is FP16Optimizer's view of a :class:`mpfp16.flat.FlatParams
 ``master``, ``master_grads``, ``master_views``
     fp32 buffers of the same layout and the per-parameter views the inner optimizer
     steps; for an fp32 group, ``weights``, ``grads`` and the parameters themselves.
-    ``master_grads`` gets memory when a backend first needs fp32 gradients (the
-    fused step reads the 16-bit ones unless ``unscale_()`` was called). Without
-    master weights (``transient``) the fp32 buffers have memory only inside a step.
+    ``master_grads`` gets memory, and the masters their ``.grad``, when a backend first
+    needs fp32 gradients (the fused step reads the 16-bit ones unless ``unscale_()``
+    was called). Without master weights (``transient``) the fp32 buffers have memory
+    only inside a step; between steps each master is an empty tensor.
 ``segments``
     contiguous ranges of parameters of one param group: one fused kernel call each.
 ``comp``
@@ -97,11 +98,30 @@ class FlatGroup:
         self.master._mpfp16_role = _MASTER_ROLE
         self.master_grads = self.layout.empty(torch.float32, self.device)
         self.master_views = self.layout.views(self.master)
-        for m, g in zip(self.master_views, self.layout.views(self.master_grads)):
-            m.grad = g
-        flat.release(self.master_grads)
+        flat.release(self.master_grads)  # the masters get their .grad when a backend first needs it
         if self.transient:
-            flat.release(self.master)
+            self._detach_masters()
+
+    # A view of a buffer whose memory was released must never be read: it would read
+    # freed memory. So a released buffer's views are detached first: a master then
+    # holds an empty tensor, and has no .grad, until the buffer has memory again.
+
+    def _detach_masters(self) -> None:
+        empty = torch.empty(0, device=self.device)
+        with torch.no_grad():
+            for m in self.master_views:
+                m.grad = None
+                m.set_(empty)
+        flat.release(self.master)
+        flat.release(self.master_grads)
+
+    def _attach_masters(self) -> None:
+        """Give the fp32 masters (without master weights, between steps they have none)
+        their memory and their place in the buffer again."""
+        if self.master.untyped_storage().nbytes() == 0:
+            flat.restore(self.master)
+            for m, view in zip(self.master_views, self.layout.views(self.master)):
+                flat.repoint(m, view)
 
     def _segments(self, group_indices: list[int]) -> list[Segment]:
         """Consecutive runs of parameters of the same param group. The buffer is in
@@ -121,21 +141,26 @@ class FlatGroup:
         return self.half and not self.transient
 
     def prepare_master_grads(self) -> None:
-        """Give the fp32 gradient buffer memory (a no-op once it has it)."""
-        if self.half:
+        """Give the fp32 gradient buffer memory and make its views the masters' ``.grad``
+        (a no-op once done)."""
+        if not self.half:
+            return
+        self._attach_masters()
+        if self.master_grads.untyped_storage().nbytes() == 0:
             flat.restore(self.master_grads)
+            for m, g in zip(self.master_views, self.layout.views(self.master_grads)):
+                m.grad = g
 
     def master_from_weights(self) -> None:
         """Without master weights: the fp32 values the step starts from."""
         if self.half:
-            flat.restore(self.master)
+            self._attach_masters()
             self.master.copy_(self.weights)
 
     def release(self) -> None:
         """Free the fp32 buffers of a group without master weights."""
         if self.transient:
-            flat.release(self.master)
-            flat.release(self.master_grads)
+            self._detach_masters()
 
     def mark_synced(self) -> None:
         """The masters and the weights agree now: remember each weight's version."""

@@ -161,8 +161,8 @@ class FP16Optimizer(torch.optim.Optimizer):
 
         # Replace each 16-bit parameter by its master in the inner optimizer.
         to_master = {id(p): m for g in self._groups for p, m in zip(g.params, g.master_views)}
-        for group in optimizer.param_groups:
-            group["params"] = [to_master.get(id(p), p) for p in group["params"]]
+        for group in optimizer.param_groups:  # in place: LBFGS keeps a reference to its group's list
+            group["params"][:] = [to_master.get(id(p), p) for p in group["params"]]
         self._model_params = params  # inner param order
         self._stepped = [to_master[id(p)] for p in params]
         self._shapes = [list(p.shape) for p in params]
@@ -179,7 +179,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         # over the inner optimizer's groups; then share its param_groups and state, so
         # that a scheduler that changes lr changes what is stepped.
         self._constructing = True
-        super().__init__(optimizer.param_groups, optimizer.defaults)
+        # The base gets copies of the group dicts, so that the inner groups' own params lists stay.
+        super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
         self._constructing = False
         self._share_inner_state()
 
@@ -191,6 +192,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         self._grads_outside_backward = False
         self._grads_after_unscale = False
         self._unscaled: torch.Tensor | None = None  # found_inf, once unscale_() ran in this step
+        self._backward_scale: float | None = None
         ref = weakref.ref(self)
 
         def on_backward(_grad):
@@ -313,6 +315,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         """Run ``(loss.float() * loss_scale).backward(**kwargs)``."""
         scale = self.scaler.scale
         scaled_loss = loss.float() if scale == 1.0 else loss.float() * scale
+        self._backward_scale = scale  # what the gradients are unscaled by, should the scale change before
         self._in_backward = True
         try:
             scaled_loss.backward(**kwargs)
@@ -332,6 +335,14 @@ class FP16Optimizer(torch.optim.Optimizer):
     def _new_step(self) -> None:
         self._grads_arrived = self._grads_outside_backward = self._grads_after_unscale = False
         self._unscaled = None
+        self._backward_scale = None
+
+    @property
+    def _grads_scale(self) -> float:
+        """The scale the current gradients were computed with: that of the last
+        backward() (a wrapper such as mpfp16.compat.apex may change the scale between
+        backward and step, as apex does), or the scale now."""
+        return self._backward_scale if self._backward_scale is not None else self.scaler.scale
 
     @torch.no_grad()
     def unscale_(self) -> None:
@@ -343,14 +354,34 @@ class FP16Optimizer(torch.optim.Optimizer):
         twice in a step does nothing the second time, as ``GradScaler.unscale_`` is
         meant to be called once. With the fused backend it writes the fp32 gradients
         the fused step otherwise never materializes (4 bytes per parameter more).
-        A gradient that arrives after it (another backward) makes ``step()`` refuse.
+
+        Raises:
+            RuntimeError: a backward pass ran since the last ``unscale_()`` of this
+                step (fp32 gradients are unscaled in place, so they cannot be
+                unscaled again; so does ``step()`` then).
         """
         if self._unscaled is not None:
+            self._refuse_grads_after_unscale()
             return
         self._check_ready()
         self._prepare_backend(fp32_grads=True)
-        self._unscaled = self._backend.unscale(self.scaler.scale, materialize=True, with_norm=False)
+        self._unscaled = self._backend.unscale(self._grads_scale, materialize=True, with_norm=False)
         self._grads_after_unscale = False
+
+    def _refuse_grads_after_unscale(self) -> None:
+        if self._grads_after_unscale:
+            raise RuntimeError("a backward pass ran after unscale_() in this step, so the gradients are no longer "
+                               "unscaled: call unscale_() after the last backward, just before step()")
+
+    @torch.no_grad()
+    def copy_masters_to_model(self) -> None:
+        """The copy-back phase alone: round the fp32 masters into the 16-bit model now.
+        ``step()`` does it; code that steps the inner optimizer itself (a closure-driven
+        LBFGS, mpfp16.compat.apex) calls this between its steps. Without master weights
+        there is nothing to copy."""
+        for g in self._groups:
+            if g.has_master:
+                g.weights.copy_(g.master)
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:
@@ -368,10 +399,9 @@ class FP16Optimizer(torch.optim.Optimizer):
         if found_inf is None:
             self._check_ready()
             self._prepare_backend(fp32_grads=False)
-            found_inf = self._backend.unscale(self.scaler.scale, materialize=False, with_norm=self._wants_norm)
-        elif self._grads_after_unscale:
-            raise RuntimeError("a backward pass ran after unscale_() in this step, so the gradients are no longer "
-                               "unscaled: call unscale_() after the last backward, just before step()")
+            found_inf = self._backend.unscale(self._grads_scale, materialize=False, with_norm=self._wants_norm)
+        else:
+            self._refuse_grads_after_unscale()
         overflow = self._agree_on_overflow(found_inf)
         self.iteration += 1
         self._new_step()

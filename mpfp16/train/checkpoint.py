@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import pickle
 import random
-import re
 import shutil
 import tempfile
-import warnings
 
 import torch
 
 from ..errors import CheckpointError, one_line
+from ..serialization import load_weights_only
 
 __all__ = ["save_atomic", "copy_atomic", "load", "digest", "check_same_everywhere", "describe_mismatch", "rng_state",
            "set_rng_state", "remove_stale_temps"]
@@ -92,7 +90,8 @@ def copy_atomic(src: str, dst: str) -> None:
 
 
 def load(path: str, map_location="cpu") -> dict:
-    """Read a checkpoint with ``weights_only=True``.
+    """Read a checkpoint with ``torch.load(weights_only=True)``
+    (:func:`mpfp16.serialization.load_weights_only`).
 
     Raises:
         CheckpointError: the file is missing, truncated or corrupt, holds pickled
@@ -101,32 +100,7 @@ def load(path: str, map_location="cpu") -> dict:
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} is a folder: pass a checkpoint file such as "
                               f"{os.path.join(path, 'last.pt')}, or --resume auto with --checkpoint-dir {path}")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {one_line(exc)}") from None
-    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or its legacy pickle
-        raise CheckpointError(f"checkpoint {path} is not a torch.save file (it starts with {head!r})")
-    try:
-        with warnings.catch_warnings():  # garbage may look like an unusual pickle protocol
-            warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
-        if found:
-            raise CheckpointError(
-                f"refusing to load {path}: it contains a pickled Python object ({found.group(1)}); "
-                "checkpoints may hold only tensors and plain values (weights_only=True)"
-            ) from None
-        raise CheckpointError(f"checkpoint {path} is corrupt: not a torch.save file") from None
-    except Exception as exc:  # an untrusted file can break the reader in any way
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {one_line(exc)}") from None
-    if not isinstance(ckpt, dict):
-        raise CheckpointError(f"checkpoint {path} holds a {type(ckpt).__name__}, not a dict")
-    return ckpt
+    return load_weights_only(path, map_location)
 
 
 def digest(path: str) -> str:
