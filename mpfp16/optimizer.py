@@ -93,9 +93,12 @@ class FP16Optimizer(torch.optim.Optimizer):
             kernel per flat buffer segment (mpfp16/backends/fused.py), with no fp32 gradient
             buffer: bit-identical for SGD; for Adam the parameters differ in the last
             bits where torch's CPU sqrt is not correctly rounded.
-            ``None`` (default): when supported and the model has at least 1M
-            parameters (compiling takes seconds); ``True``: always (an error if the
-            inner optimizer is not supported); ``False``: never. The kernels compile
+            ``None`` (default): when supported and either the model has at least 1M
+            parameters (compiling takes seconds) or the inner optimizer was built
+            with ``fused=True`` or ``foreach=True`` (asking for the fast step; where
+            it cannot be taken, one log line says why, and the inner optimizer's own
+            step runs over the masters); ``True``: always (an error if the inner
+            optimizer is not supported); ``False``: never. The kernels compile
             at the first step; if that fails on any rank, ``fused=True`` raises on
             every rank, and ``None`` puts every rank on the unfused step with one
             warning, so the ranks never take different paths.
@@ -169,7 +172,10 @@ class FP16Optimizer(torch.optim.Optimizer):
         self._dtypes = [str(p.dtype).replace("torch.", "") for p in params]
 
         numel = sum(g.layout.numel for g in self._groups)
-        use_fused = fused if fused is not None else (reason is None and numel >= FUSED_MIN_NUMEL)
+        asked = fused_backend.fast_path_flag(optimizer)  # the inner optimizer's fused=True / foreach=True
+        use_fused = fused if fused is not None else (reason is None and (numel >= FUSED_MIN_NUMEL or asked is not None))
+        if asked and not use_fused and is_main_process():
+            self._explain_no_fused_step(asked, reason)
         backend = fused_backend.FusedBackend if use_fused else UnfusedBackend
         self._backend = backend(optimizer, self._groups, self._stepped, rounding)
         self._fused_requested = fused is True
@@ -430,6 +436,17 @@ class FP16Optimizer(torch.optim.Optimizer):
                 f"gradients were computed outside opt.backward() while the loss scale is "
                 f"{self.scaler.scale:g}; they would be unscaled wrongly. Call opt.backward(loss)"
             )
+
+    def _explain_no_fused_step(self, asked: str, reason: str | None) -> None:
+        """One line for an inner optimizer built with fused=True or foreach=True whose
+        step is not mpfp16's fused one: its own step then runs over the fp32 masters."""
+        name = type(self.optimizer).__name__
+        if reason is None:  # FP16Optimizer(fused=False)
+            logger.info("%s(%s) under FP16Optimizer(fused=False): torch's own %s step runs over the fp32 "
+                        "masters, not mpfp16's fused step", name, asked, asked.split("=")[0])
+        else:
+            logger.warning("%s(%s): mpfp16's fused step cannot take it (%s); torch's own %s step runs over the "
+                           "fp32 masters", name, asked, reason, asked.split("=")[0])
 
     def _prepare_backend(self, fp32_grads: bool) -> None:
         """Before the first step: let the backend compile what it needs, and make every

@@ -1,10 +1,27 @@
-"""What the script tests read back from a run: its metrics records and its checkpoint."""
+"""How the script tests run a script in-process, and what they read back from a run: its
+metrics records and its checkpoint."""
 
 from __future__ import annotations
 
 import json
 
 import torch
+
+
+class Result(tuple):
+    """(exit status, stderr), with .out for stdout."""
+
+
+def run_main(main, argv, capsys) -> Result:
+    """Run a script's main() in-process; return (exit status, stderr) with .out."""
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse
+        status = exc.code
+    captured = capsys.readouterr()
+    result = Result((status, captured.err))
+    result.out = captured.out
+    return result
 
 
 def records(path) -> list[dict]:

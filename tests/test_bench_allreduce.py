@@ -78,6 +78,34 @@ def test_training_step_view_runs(tmp_path):
     assert by[("fp16, fp32 allreduce", 2, True)]["bytes_per_step"] == by[("fp32 model", 2, True)]["bytes_per_step"]
 
 
+@pytest.mark.slow
+def test_training_step_view_trains_a_transformer(tmp_path):
+    """Lightning's no_sync set-up on its ImageGPT size, with sequences of 2 tokens: the
+    model keeps its 1024 positions, and the fp32 model sends each of its 19,702,272
+    parameters once per synced micro-batch, 4 bytes each."""
+    proc = torchrun(["--model", "imagegpt-s", "--seq-len", "2", "--batch-size", "1", "--accum", "2", "--steps", "1",
+                     "--setups", "fp32", "--json", "gpt.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "imagegpt-s, batch 1 at 2 tokens" in proc.stdout
+    rows = json.loads((tmp_path / "gpt.json").read_text())["rows"]
+    assert [(r["setup"], r["processes"], r["no_sync"]) for r in rows] == [
+        ("fp32 model", 1, None), ("fp32 model", 2, False), ("fp32 model", 2, True)]
+    assert rows[2]["bytes_per_step"] == 4 * 19_702_272
+    assert rows[1]["bytes_per_step"] == 2 * rows[2]["bytes_per_step"]
+    assert all(r["its_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "gpt5"], "unknown model 'gpt5'"),
+    (["--model", "imagegpt-s", "--seq-len", "2048"], "--seq-len 2048: imagegpt-s has 1024 positions"),
+])
+def test_a_bad_model_flag_is_refused_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_refuses_to_run_alone(capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert bench.main(["--sizes", "4K"]) == 2

@@ -2,19 +2,76 @@
 
 import json
 
+import pytest
+
 from mpfp16.bench import step as bench
 
 
 def test_step_benchmark_runs(tmp_path, capsys):
     out = tmp_path / "step.json"
-    assert bench.main(["--model", "squeezenet1_1", "--rounds", "1", "--warmup", "1", "--json", str(out)]) == 0
+    assert bench.main(["--model", "squeezenet1_1", "--rounds", "1", "--warmup", "1", "--threads", "1,2",
+                       "--bandwidth-numel", "100000", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
-    methods = [r["method"] for r in result["rows"]]
-    assert len(methods) == 7 and methods[0].startswith("a. torch fp32 SGD foreach")
-    assert methods[6] == "g. mpfp16 fused, unscale_()"
-    assert result["rows"][0]["ratio"] == 1.0 and all(r["median_ms"] > 0 for r in result["rows"])
+    assert [r["threads"] for r in result["results"]] == [1, 2]
+    for per_threads in result["results"]:
+        rows = per_threads["rows"]
+        methods = [r["method"] for r in rows]
+        assert len(methods) == 7 and methods[0].startswith("a. torch fp32 SGD foreach")
+        assert methods[6] == "g. mpfp16 fused, unscale_()"
+        assert rows[0]["ratio"] == 1.0 and all(r["median_ms"] > 0 for r in rows)
+        limit = per_threads["limit_gb_per_s"]
+        assert limit == max(per_threads["bandwidth_gb_per_s"].values()) > 0
+        for r in rows:  # the three columns are one measurement seen three ways
+            assert r["gb_per_s"] == pytest.approx(r["bytes_per_param"] * result["numel"] / (r["median_ms"] / 1e3) / 1e9)
+            assert r["fraction_of_limit"] == pytest.approx(r["gb_per_s"] / limit)
     memory = result["memory_bytes_per_param"]
     assert memory["fp16, no masters (fused)"]["total"] < memory["fp16 + fp32 masters (fused)"]["total"] \
         < memory["fp16 + fp32 masters (unfused)"]["total"]
-    assert "vs a" in printed and "bytes per parameter" in printed
+    assert "vs a" in printed and "bytes per parameter" in printed and "memory bandwidth" in printed
+
+
+def test_traffic_per_method():
+    """The byte counts the table divides by, against the counts stated in the issue
+    and the docs: torch's fused AdamW moves 28 bytes per parameter, mpfp16's step 30
+    (the kernel's 28 and the overflow check's 2); the fused SGD kernel 20, torch's
+    foreach SGD-momentum 44 with weight decay and 32 without."""
+    adamw, sgd, nowd = bench.traffic("adamw"), bench.traffic("sgd"), bench.traffic("sgd-nowd")
+    assert (adamw["a"], adamw["d"], adamw["f"], adamw["g"]) == (28, 30, 24, 44)
+    assert (sgd["a"], sgd["d"], sgd["f"]) == (44, 22, 16)
+    assert nowd["a"] == 32 and nowd["d"] == sgd["d"]
+    assert bench.traffic("adam")["e"] == 14 + 84 + 6
+    # Adam without masters: two passes on CPU (20 + 12), one kernel on CUDA (22)
+    assert bench.traffic("adam", "cpu")["f"] == 2 + 32 and bench.traffic("adam", "cuda")["f"] == 2 + 22
+
+
+def test_gpt2_shapes_keep_layernorms_fp32():
+    params = bench.model_params("gpt2", bench.torch.device("cpu"))
+    assert sum(p.numel() for p, _ in params) == 124_439_808 and len(params) == 148
+    kept = [p for p, half in params if not half]
+    assert len(kept) == 2 * 12 * 2 + 2  # two LayerNorms per block and the final one: weight and bias each
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--threads", "0"], "--threads must be positive integers"),
+    (["--threads", "two"], "--threads must be positive integers"),
+    (["--model", "gpt3"], "unknown model 'gpt3'"),
+    (["--optimizer", "lamb"], "invalid choice"),
+])
+def test_bad_flags_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_kernel_variants_benchmark_runs(tmp_path, capsys):
+    from mpfp16.bench import kernels as variants
+
+    out = tmp_path / "kernels.json"
+    assert variants.main(["--numel", "4099", "--threads", "1", "--rounds", "1", "--warmup", "0",
+                          "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"][0]["rows"]
+    by = {r["variant"]: r for r in rows}
+    assert by["torch fused AdamW (fp32)"]["ratio"] == 1.0 and all(r["median_ms"] > 0 for r in rows)
+    assert by["Adam, no masters, 2 passes"]["bytes_per_param"] == 32 and by["AdamW, masters"]["bytes_per_param"] == 28
+    assert "SIMD 256" in capsys.readouterr().out

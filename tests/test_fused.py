@@ -24,13 +24,13 @@ def data():
 
 def test_helpers_match_the_eager_cpu_kernels(data):
     a, b, c = data
-    k = torch.compile(lambda a, b, c, x, w: (F.add_alpha(a, b, x), F.addcmul(a, b, c, x), F.addcdiv(a, b, c, x),
-                                             F.lerp(a, b, w)))
-    for x, w in [(0.1, 0.1), (-0.001, 0.9), (3.7, 0.5)]:
-        got = k(a, b, c, T(x), T(w))
+    k = torch.compile(lambda a, b, c, x, w, low: (F.add_alpha(a, b, x), F.addcmul(a, b, c, x),
+                                                  F.addcdiv(a, b, c, x), F.lerp(a, b, w), F.lerp(a, b, w, low)))
+    for x, w in [(0.1, 0.1), (-0.001, 0.9), (3.7, 0.5), (1.0, -0.3)]:
+        got = k(a, b, c, T(x), T(w), abs(w) < 0.5)
         expected = (torch.add(a, b, alpha=x), torch.addcmul(a, b, c, value=x), torch.addcdiv(a, b, c, value=x),
-                    torch.lerp(a, b, w))
-        for name, g, e in zip(("add", "addcmul", "addcdiv", "lerp"), got, expected):
+                    torch.lerp(a, b, w), torch.lerp(a, b, w))
+        for name, g, e in zip(("add", "addcmul", "addcdiv", "lerp", "lerp with its branch known"), got, expected):
             assert torch.equal(g, e), f"{name} x={x} w={w}"
 
 
@@ -94,7 +94,7 @@ def test_fused_adam_differs_from_torch_only_by_the_rounding_of_sqrt(decoupled):
     torch_p = nn.Parameter(p0.clone())
     torch_opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([torch_p], **hyper)
     kernel = F.compiled(F.adam_update, has_master=True, has_weight_decay=True, decoupled=decoupled, maximize=False,
-                        rounding="nearest")
+                        lerp_low=True, rounding="nearest")
     correctly_rounded = lambda t: t.double().sqrt().float()  # noqa: E731
     for step, g16 in enumerate(grads, start=1):
         grad = g16.float() * T(1 / 256)
@@ -114,13 +114,45 @@ def test_fused_adam_differs_from_torch_only_by_the_rounding_of_sqrt(decoupled):
     assert torch.equal(weights, master.half())
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic", "kahan"])
+def test_adam_in_two_passes_is_adam_in_one(rounding):
+    """Adam with coupled weight decay on 16-bit weights without masters runs as two
+    kernels on CPU (adam_moments, adam_apply); they compute what adam_update computes,
+    bit for bit, in every rounding mode."""
+    g = torch.Generator().manual_seed(2)
+    n = 4099
+    w0 = (torch.randn(n, generator=g) * 0.1).half()
+    noise = torch.rand(n, generator=g) if rounding == "stochastic" else None
+    comp0 = (torch.randn(n, generator=g) * 1e-4).half() if rounding == "kahan" else None
+    one_pass = dict(w=w0.clone(), m=torch.zeros(n), v=torch.zeros(n), comp=None if comp0 is None else comp0.clone())
+    two = {k: (None if t is None else t.clone()) for k, t in one_pass.items()}
+    update = F.compiled(F.adam_update, has_master=False, has_weight_decay=True, decoupled=False, maximize=False,
+                        lerp_low=True, rounding=rounding)
+    moments = F.compiled(F.adam_moments, maximize=False, lerp_low=True)
+    apply = F.compiled(F.adam_apply, rounding=rounding)
+    for step in range(1, 4):
+        g16 = (torch.randn(n, generator=g) * 256).half()
+        scalars = dict(inv=T(1 / 256), clip=T(0.5), wd=T(1e-2), b1=T(0.1), b2=T(0.999), ob2=T(1e-3),
+                       bc2=T((1 - 0.999**step) ** 0.5), eps=T(1e-8), nss=T(-1e-2 / (1 - 0.9**step)))
+        sc = scalars
+        update(one_pass["w"], g16, None, one_pass["m"], one_pass["v"], noise, one_pass["comp"], sc["inv"], sc["clip"],
+               sc["wd"], T(1.0), sc["b1"], sc["b2"], sc["ob2"], sc["bc2"], sc["eps"], sc["nss"])
+        moments(two["w"], g16, two["m"], two["v"], sc["inv"], sc["clip"], sc["wd"], sc["b1"], sc["b2"], sc["ob2"])
+        apply(two["w"], two["m"], two["v"], noise, two["comp"], sc["bc2"], sc["eps"], sc["nss"])
+        for k in one_pass:
+            assert (one_pass[k] is None and two[k] is None) or torch.equal(one_pass[k], two[k]), (k, step)
+    assert not torch.equal(one_pass["w"], w0)
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
-def test_fused_adam_training_follows_the_reference(kind):
+def test_fused_adam_training_follows_the_reference(kind, master_weights):
     model, ref_model = mpfp16.to_half(tiny_mlp(0)), mpfp16.to_half(tiny_mlp(0))
-    opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), loss_scale=256.0, fused=True)
+    opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), loss_scale=256.0, fused=True,
+                               master_weights=master_weights)
     data = batches(5)
     train_mpfp16(model, opt, data)
-    ref = train_reference(ref_model, kind, data, scale=256.0)
+    ref = train_reference(ref_model, kind, data, scale=256.0, master_weights=master_weights)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-3 if p.dtype == torch.float16 else 1e-5, atol=1e-6)
     steps = {float(s["step"]) for s in opt.state.values()}
@@ -265,9 +297,103 @@ def test_which_optimizers_are_fused():
     big = mpfp16.to_half(nn.Linear(1024, 1024))
     assert mpfp16.FP16Optimizer(torch.optim.SGD(big.parameters(), lr=0.1)).fused
     for inner, reason in [(torch.optim.RMSprop(small.parameters()), "not SGD, Adam or AdamW"),
-                          (torch.optim.Adam(small.parameters(), amsgrad=True), "amsgrad"),
-                          (torch.optim.AdamW(small.parameters(), fused=True), "fused=True")]:
+                          (torch.optim.Adam(small.parameters(), amsgrad=True), "amsgrad")]:
         with pytest.raises(ValueError, match=reason):
             mpfp16.FP16Optimizer(inner, fused=True)
         assert not mpfp16.FP16Optimizer(type(inner)(small.parameters(), **{
-            k: v for k, v in inner.defaults.items() if k in ("amsgrad", "fused")})).fused
+            k: v for k, v in inner.defaults.items() if k == "amsgrad"})).fused
+
+
+@pytest.mark.parametrize("kind,flag", [("sgd", "foreach"), ("sgd", "fused"), ("adam", "foreach"),
+                                       ("adamw", "fused")])
+def test_an_inner_optimizer_built_for_speed_takes_the_fused_step(kind, flag, caplog):
+    """AdamW(params, fused=True), as torch users write it, asks for the fast step: it
+    gets mpfp16's fused one, even below the size from which the default picks it,
+    with the same result as the fused step over an inner optimizer without the flag."""
+    model, plain_model = mpfp16.to_half(tiny_mlp(0)), mpfp16.to_half(tiny_mlp(0))
+    with caplog.at_level(logging.INFO, logger="mpfp16"):
+        opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters(), **{flag: True}), loss_scale=256.0)
+    assert opt.fused and caplog.records == []
+    plain = mpfp16.FP16Optimizer(make_inner(kind, plain_model.parameters()), loss_scale=256.0, fused=True)
+    data = batches(4)
+    train_mpfp16(model, opt, data)
+    train_mpfp16(plain_model, plain, data)
+    assert opt.fused
+    assert_same_params(model, plain_model)
+
+
+@pytest.mark.parametrize("inner,fused,level,line", [
+    (lambda ps: torch.optim.RMSprop(ps, lr=0.01, foreach=True), None, logging.WARNING,
+     "RMSprop(foreach=True): mpfp16's fused step cannot take it (RMSprop is not SGD, Adam or AdamW); torch's own "
+     "foreach step runs over the fp32 masters"),
+    (lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, fused=True), None, logging.WARNING,
+     "Adam(fused=True): mpfp16's fused step cannot take it (amsgrad=True); torch's own fused step runs over the "
+     "fp32 masters"),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True), False, logging.INFO,
+     "AdamW(fused=True) under FP16Optimizer(fused=False): torch's own fused step runs over the fp32 masters, not "
+     "mpfp16's fused step"),
+], ids=["rmsprop-foreach", "amsgrad-fused", "fused-false"])
+def test_a_fast_inner_step_mpfp16_cannot_take_says_why_and_still_runs(inner, fused, level, line, caplog):
+    """No silent slow path: one line names the reason, and the inner optimizer's own
+    fast step runs over the fp32 masters, exactly as it would over fp32 copies."""
+    model, ref_model = mpfp16.to_half(tiny_mlp(0)), mpfp16.to_half(tiny_mlp(0))
+    with caplog.at_level(logging.INFO, logger="mpfp16"):
+        opt = mpfp16.FP16Optimizer(inner(model.parameters()), loss_scale=256.0, fused=fused)
+    assert not opt.fused
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(level, line)]
+    ref = ReferenceTrainer(ref_model, "sgd", scale=256.0)
+    ref.opt = inner(ref.masters)
+    for x, y in batches(3):
+        assert step_both(model, opt, ref_model, ref, x, y)
+    assert_same_params(model, ref_model)
+
+
+def test_every_kernel_is_compiled_on_one_size_class_for_its_thread_count(monkeypatch):
+    """inductor decides from the size of the example it compiles on whether a CPU loop
+    runs on several threads, and generates the kernel for the thread count of the
+    moment. So each kernel is compiled on examples of COMPILE_NUMEL elements, whatever
+    it is first called on, and once per thread count: then inductor's on-disk cache
+    (keyed by the thread count, not the example's size) gives back the right kernel."""
+    calls = []
+    real = F._compile_variant
+
+    def recording(fn, flags, serial):
+        kernel = real(fn, flags, serial)
+
+        def run(*args, **static):
+            calls.append((torch.get_num_threads(), [a.numel() for a in args]))
+            return kernel(*args, **static)
+
+        return run
+
+    monkeypatch.setattr(F, "_compile_variant", recording)
+    monkeypatch.setattr(F, "_COMPILED", {})
+    grads = torch.tensor([1.0, float("inf"), 2.0], dtype=torch.float16)
+    kernel = F.compiled(F.grad_stats, with_norm=False)
+    threads = torch.get_num_threads()
+    try:
+        assert kernel(grads, F.scalar(0.5, grads.device))[0] == 1.0
+        assert kernel(grads[::2], F.scalar(0.5, grads.device))[0] == 0.0  # compiled once per thread count
+        torch.set_num_threads(1)
+        assert kernel(grads, F.scalar(0.5, grads.device))[0] == 1.0
+    finally:
+        torch.set_num_threads(threads)
+    big = F.COMPILE_NUMEL
+    assert calls == [(threads, [big, 1]), (threads, [3, 1]), (threads, [2, 1]), (1, [big, 1]), (1, [3, 1])]
+
+
+def test_a_scalar_passed_twice_does_not_recompile(monkeypatch):
+    """The same 1.0 for the inverse scale and the clip coefficient, or two different
+    ones: one compiled kernel serves both (dynamo would guard on the aliasing)."""
+    monkeypatch.setattr(F, "_COMPILED", {})
+    weights = torch.zeros(100, dtype=torch.float16)
+    grad = torch.ones(100, dtype=torch.float16)
+    kernel = F.compiled(F.sgd_update, has_master=False, has_weight_decay=False, has_momentum=False,
+                        first_step=False, nesterov=False, maximize=False, rounding="nearest")
+    one = F.scalar(1.0, weights.device)
+    torch._dynamo.utils.counters.clear()
+    kernel(weights, grad, None, None, None, None, one, one, F.scalar(0.5, one.device), one, one, one)
+    kernel(weights, grad, None, None, None, None, F.scalar(1.0, one.device), one, F.scalar(0.5, one.device),
+           F.scalar(0.0, one.device), F.scalar(0.0, one.device), F.scalar(1.0, one.device))
+    assert torch.equal(weights, torch.full((100,), -1.0, dtype=torch.float16))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

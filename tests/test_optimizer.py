@@ -55,8 +55,11 @@ def test_masters_match_reference_masters(kind):
 
 @pytest.mark.parametrize("foreach", [False, True])
 def test_foreach_inner_optimizer(foreach):
+    """The unfused step runs the inner optimizer's own step, foreach or not, bit for
+    bit. (Left to the default, foreach=True takes the fused step: tests/test_fused.py.)"""
     model, ref_model = pair()
-    opt = mpfp16.FP16Optimizer(make_inner("adamw", model.parameters(), foreach=foreach), loss_scale=256.0)
+    opt = mpfp16.FP16Optimizer(make_inner("adamw", model.parameters(), foreach=foreach), loss_scale=256.0,
+                               fused=False)
     data = batches(4)
     train_mpfp16(model, opt, data)
     train_reference(ref_model, "adamw", data, scale=256.0, foreach=foreach)

@@ -14,7 +14,7 @@ import train_cifar
 import train_imagenet
 from dist_helpers import free_port
 from fake_data import write_fake_imagefolder
-from run_helpers import assert_same_final_state, records
+from run_helpers import assert_same_final_state, records, run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CIFAR = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
@@ -22,22 +22,6 @@ TINY_CIFAR = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
 # except where a test asks for the fused step on purpose.
 TINY_IMAGENET = ["-a", "resnet18", "--image-size", "32", "-b", "4", "--no-progress", "-p", "1", "-j", "0",
                  "--fused", "off"]
-
-
-class Result(tuple):
-    """(exit status, stderr), with .out for stdout."""
-
-
-def run_main(main, argv, capsys):
-    """Run a script's main() in-process; return (exit status, stderr) with .out."""
-    try:
-        status = main(argv)
-    except SystemExit as exc:  # argparse
-        status = exc.code
-    captured = capsys.readouterr()
-    result = Result((status, captured.err))
-    result.out = captured.out
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -253,10 +237,10 @@ def test_bad_values_are_named_plainly(capsys, main, argv, message):
 
 
 def test_an_image_size_the_model_cannot_take_is_refused_before_training(tmp_path, capsys):
-    status, err = run_main(train_imagenet.main, ["-a", "vit_b_16", "--image-size", "64", "--checkpoint-dir",
+    status, err = run_main(train_imagenet.main, ["-a", "vit_b_16", "--image-size", "72", "--checkpoint-dir",
                                                  str(tmp_path)], capsys)
     assert status == 2
-    assert err == "error: vit_b_16 cannot take 64x64 images: Wrong image height! Expected 224 but got 64!\n"
+    assert err == "error: vit_b_16 cannot take 72x72 images: the size must be a multiple of its patch size, 16\n"
     assert not os.listdir(tmp_path) or os.listdir(tmp_path) == [".mpfp16.lock"]
 
 

@@ -13,18 +13,28 @@ import torch
 
 from . import total_norm, unscale_into_master_grads
 
-__all__ = ["FusedBackend", "SUPPORTED", "unsupported_reason"]
+__all__ = ["FusedBackend", "SUPPORTED", "unsupported_reason", "fast_path_flag"]
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
+def fast_path_flag(optimizer: torch.optim.Optimizer) -> str | None:
+    """``"fused=True"`` or ``"foreach=True"`` if the inner optimizer was built asking for
+    torch's fast step: FP16Optimizer takes that as asking for its own fused step."""
+    for flag in ("fused", "foreach"):
+        if any(group.get(flag) for group in optimizer.param_groups):
+            return f"{flag}=True"
+    return None
+
+
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why ``optimizer`` cannot take the fused path, or None if it can."""
+    """Why ``optimizer`` cannot take the fused path, or None if it can. The inner
+    optimizer's own ``fused``/``foreach`` flags are no reason: the fused kernels do
+    the arithmetic of torch's foreach and for-loop steps, and without them (a compile
+    that fails) the inner optimizer's own step, fused or not, runs over the masters."""
     if type(optimizer) not in SUPPORTED:
         return f"{type(optimizer).__name__} is not SGD, Adam or AdamW"
     for group in optimizer.param_groups:
-        if group.get("fused"):
-            return "the inner optimizer was built with fused=True"
         if group.get("differentiable"):
             return "differentiable=True"
         if group.get("capturable"):
@@ -182,7 +192,7 @@ class FusedBackend:
                 state[g.master_views[i]]["momentum_buffer"] = views[i]
 
     def _adam(self, gi, si, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
-        from .kernels import adam_update, compiled, scalar
+        from .kernels import adam_apply, adam_moments, adam_update, compiled, scalar
 
         dev = g.device
         steps = self._steps[(gi, si)]
@@ -194,10 +204,24 @@ class FusedBackend:
         step_size = lr / bias_correction1
         weights, grad, master, (exp_avg, exp_avg_sq), (noise, comp) = self._slices(
             gi, g, segment, ("exp_avg", "exp_avg_sq"), noise)
-        compiled(adam_update, **self._adam_flags(hyper, master is not None, self._rounding(g)))(
+        flags = self._adam_flags(hyper, master is not None, self._rounding(g))
+        moments = (scalar(1 - beta1, dev), scalar(beta2, dev), scalar(1 - beta2, dev))
+        new = (scalar(bias_correction2**0.5, dev), scalar(eps, dev), scalar(-step_size, dev))
+        if self._two_passes(g, hyper):
+            compiled(adam_moments, maximize=flags["maximize"], lerp_low=flags["lerp_low"])(
+                weights, grad, exp_avg, exp_avg_sq, inv_scale, clip_coef, scalar(wd, dev), *moments)
+            compiled(adam_apply, rounding=flags["rounding"])(weights, exp_avg, exp_avg_sq, noise, comp, *new)
+            return
+        compiled(adam_update, **flags)(
             weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_scale, clip_coef, scalar(wd, dev),
-            scalar(1 - lr * wd, dev), scalar(1 - beta1, dev), scalar(beta2, dev), scalar(1 - beta2, dev),
-            scalar(bias_correction2**0.5, dev), scalar(eps, dev), scalar(-step_size, dev))
+            scalar(1 - lr * wd, dev), *moments, *new)
+
+    @staticmethod
+    def _two_passes(g, hyper: dict) -> bool:
+        """Adam with coupled weight decay over 16-bit weights without masters, on CPU:
+        two passes (``kernels.adam_moments``) run faster than one there."""
+        return (not g.has_master and g.half and g.device.type == "cpu" and hyper["weight_decay"] != 0
+                and not hyper.get("decoupled_weight_decay", False))
 
     @staticmethod
     def _sgd_flags(hyper: dict, has_master: bool, first: bool, rounding: str) -> dict:
@@ -209,7 +233,7 @@ class FusedBackend:
     def _adam_flags(hyper: dict, has_master: bool, rounding: str) -> dict:
         return dict(has_master=has_master, has_weight_decay=hyper["weight_decay"] != 0,
                     decoupled=bool(hyper.get("decoupled_weight_decay", False)), maximize=bool(hyper["maximize"]),
-                    rounding=rounding)
+                    lerp_low=abs(1 - hyper["betas"][0]) < 0.5, rounding=rounding)
 
     def copy_back(self, noise: list) -> None:
         """Nothing to copy: the kernels wrote the 16-bit weights. The fp32 gradients of
@@ -217,20 +241,15 @@ class FusedBackend:
         for g in self.groups:
             g.release()
 
-    def prepare(self, fp32_grads: bool = False, max_numel: int = 1 << 20) -> None:
+    def prepare(self, fp32_grads: bool = False) -> None:
         """Compile every kernel variant this optimizer will need, on scratch tensors,
         so that a compile failure shows before any real buffer is written; with
         ``fp32_grads``, also the variants that read the fp32 gradients ``unscale_()``
-        makes (otherwise they compile at their first use).
+        makes (otherwise they compile at their first use). The scratch sizes do not
+        matter: ``kernels.compiled`` compiles every kernel on examples of one size."""
+        from .kernels import adam_apply, adam_moments, adam_update, compiled, grad_stats, scalar, sgd_update
 
-        The scratch tensors have ``max_numel`` elements whatever the real sizes:
-        inductor decides from the first example whether a CPU loop runs on several
-        threads, and the compiled kernel keeps that decision for every later size (its
-        shapes are dynamic); a small first example would leave ResNet-50's step
-        single-threaded."""
-        from .kernels import adam_update, compiled, grad_stats, scalar, sgd_update
-
-        numel = max_numel
+        numel = 64
         seen = set()  # a param group split into several segments needs its kernels once
         for g in self.groups:
             dev, dtype = g.device, g.dtype
@@ -256,7 +275,11 @@ class FusedBackend:
                         for first in (True, False):
                             compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, rounding))(
                                 weights, grad, master, bufs[0], noise, comp, one, one, one, one, one, one)
+                    elif self._two_passes(g, hyper):
+                        compiled(adam_moments, maximize=flags["maximize"], lerp_low=flags["lerp_low"])(
+                            weights, grad, bufs[0], bufs[1], one, one, one, one, one, one)
+                        compiled(adam_apply, rounding=rounding)(weights, bufs[0], bufs[1], noise, comp, one, one, one)
                     else:
-                        compiled(adam_update, **self._adam_flags(hyper, master is not None, rounding))(
+                        compiled(adam_update, **flags)(
                             weights, grad, master, bufs[0], bufs[1], noise, comp, one, one, one, one, one, one,
                             one, one, one, one)

@@ -31,7 +31,6 @@ import types
 import torch
 import torch._dynamo
 import torch._dynamo.exc
-import torch._functorch.config
 import torch._inductor.config
 import torch._inductor.exc
 from torch._inductor import inductor_prims
@@ -40,7 +39,8 @@ from ..rounding import write_weights
 
 logger = logging.getLogger("mpfp16")
 
-__all__ = ["sgd_update", "adam_update", "grad_stats", "compiled", "scalar", "COMPILE_ERRORS"]
+__all__ = ["sgd_update", "adam_update", "adam_moments", "adam_apply", "grad_stats", "compiled", "scalar",
+           "COMPILE_ERRORS"]
 
 
 def scalar(value: float, device: torch.device) -> torch.Tensor:
@@ -72,12 +72,16 @@ def addcdiv(a, b, c, value):
     return a + (value * b) / c
 
 
-def lerp(a, b, weight):
-    """``torch.lerp(a, b, weight)`` with a 0-dim weight."""
+def lerp(a, b, weight, low: bool | None = None):
+    """``torch.lerp(a, b, weight)`` with a 0-dim weight. Eager CPU lerp takes one of
+    two formulas by whether ``|weight| < 0.5``; ``low`` says which when the caller
+    knows it (Adam's ``1 - beta1``), so that the kernel computes one, not both."""
     if a.device.type == "cuda":
         return torch.lerp(a, b, weight)
     diff = b - a
-    return torch.where(weight.abs() < 0.5, _fma(weight, diff, a), _fma(weight - 1, diff, b))
+    if low is None:
+        return torch.where(weight.abs() < 0.5, _fma(weight, diff, a), _fma(weight - 1, diff, b))
+    return _fma(weight, diff, a) if low else _fma(weight - 1, diff, b)
 
 
 # What compiling a kernel can raise: dynamo's and inductor's own errors (a missing or
@@ -122,12 +126,24 @@ def sgd_update(weights, grad, master, momentum_buf, noise, comp, inv_scale, clip
     write_weights(weights, new, param, noise, comp, rounding)
 
 
+def _adam_moments(g, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, lerp_low: bool):
+    """The new exp_avg and exp_avg_sq, as torch's Adam computes them."""
+    return lerp(exp_avg, g, one_minus_beta1, lerp_low), addcmul(exp_avg_sq * beta2, g, g, one_minus_beta2)
+
+
+def _adam_new(param, m, v, bias_correction2_sqrt, eps, neg_step_size):
+    """param - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps), rounded as torch's Adam."""
+    return addcdiv(param, m, v.sqrt() / bias_correction2_sqrt + eps, neg_step_size)
+
+
 def adam_update(weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_scale, clip_coef, weight_decay,
                 decay_factor, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size, *,
-                has_master: bool, has_weight_decay: bool, decoupled: bool, maximize: bool, rounding: str) -> None:
+                has_master: bool, has_weight_decay: bool, decoupled: bool, maximize: bool, lerp_low: bool,
+                rounding: str) -> None:
     """torch.optim.Adam / AdamW (amsgrad off) on one flat segment; the step scalars
     (bias corrections, step size) are computed by the caller in Python doubles, as
-    torch's single-tensor Adam does."""
+    torch's single-tensor Adam does. Without master weights and with Adam's coupled
+    weight decay, the fused backend runs ``adam_moments`` and ``adam_apply`` instead."""
     old = param = master if has_master else weights.float()
     g = _unscaled(grad, inv_scale, clip_coef, maximize)
     if has_weight_decay:
@@ -135,15 +151,33 @@ def adam_update(weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_sca
             param = param * decay_factor
         else:
             g = add_alpha(g, param, weight_decay)
-    m = lerp(exp_avg, g, one_minus_beta1)
-    v = addcmul(exp_avg_sq * beta2, g, g, one_minus_beta2)
-    denom = v.sqrt() / bias_correction2_sqrt + eps
-    new = addcdiv(param, m, denom, neg_step_size)
+    m, v = _adam_moments(g, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, lerp_low)
+    new = _adam_new(param, m, v, bias_correction2_sqrt, eps, neg_step_size)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if has_master:
         master.copy_(new)
     write_weights(weights, new, old, noise, comp, rounding)
+
+
+def adam_moments(weights, grad, exp_avg, exp_avg_sq, inv_scale, clip_coef, weight_decay, one_minus_beta1, beta2,
+                 one_minus_beta2, *, maximize: bool, lerp_low: bool) -> None:
+    """The first of two passes of Adam with coupled weight decay over 16-bit weights
+    without masters: the moments, from ``grad + weight_decay * weight``. In one pass
+    the arithmetic waits on a load of the 16-bit weights that the same loop stores
+    to, and the step runs 1.7x slower on one CPU thread (docs/BENCHMARKS.md)."""
+    g = add_alpha(_unscaled(grad, inv_scale, clip_coef, maximize), weights.float(), weight_decay)
+    m, v = _adam_moments(g, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, lerp_low)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+
+
+def adam_apply(weights, exp_avg, exp_avg_sq, noise, comp, bias_correction2_sqrt, eps, neg_step_size, *,
+               rounding: str) -> None:
+    """The second pass: the new 16-bit weights from the updated moments."""
+    old = weights.float()
+    write_weights(weights, _adam_new(old, exp_avg, exp_avg_sq, bias_correction2_sqrt, eps, neg_step_size), old, noise,
+                  comp, rounding)
 
 
 def grad_stats(grad, inv_scale, *, with_norm: bool):
@@ -156,6 +190,14 @@ def grad_stats(grad, inv_scale, *, with_norm: bool):
 
 _COMPILED: dict = {}
 
+# Every kernel is compiled from examples of this many elements, whatever the size it
+# is first called on: inductor decides from the example's size whether a CPU loop runs
+# on several threads (below 512 elements per thread it does not), and the compiled
+# kernel, whose shapes are symbolic, keeps that decision for every later size. With
+# one size class for every compile, inductor's on-disk cache, whose key holds the
+# thread count but not the example's size, is correct for these kernels.
+COMPILE_NUMEL = 1 << 20
+
 
 def _signature(args) -> tuple:
     """What dynamo specializes a kernel on besides sizes: each argument's dtype and
@@ -163,9 +205,33 @@ def _signature(args) -> tuple:
     return tuple((a.dtype, a.device.type) if isinstance(a, torch.Tensor) else None for a in args)
 
 
+def _distinct(args) -> tuple:
+    """``args`` with a tensor passed twice (a scalar 1.0 for both the inverse scale and
+    the clip coefficient) replaced by a copy the second time: dynamo guards on
+    aliasing, and a kernel compiled for one pattern would recompile for the other."""
+    seen: set[int] = set()
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if id(a) in seen:
+                a = a.clone()
+            seen.add(id(a))
+        out.append(a)
+    return tuple(out)
+
+
+def _compile_examples(args) -> list:
+    """Scratch arguments like ``args``: each flat buffer replaced by zeros of
+    ``COMPILE_NUMEL`` elements, each 0-dim scalar by a copy."""
+    return [(a.new_zeros(COMPILE_NUMEL) if a.dim() == 1 else a.clone()) if isinstance(a, torch.Tensor) else a
+            for a in args]
+
+
 def compiled(fn, **static):
     """``fn`` compiled with ``torch.compile(dynamic=True)``, with the keyword flags in
-    ``static`` fixed, made once per (fn, flags, argument dtypes and devices).
+    ``static`` fixed, made once per (fn, flags, argument dtypes and devices, thread
+    count) and compiled on examples of ``COMPILE_NUMEL`` elements before its first
+    real call.
 
     Each such combination gets a code object of its own. Dynamo keeps its compiled
     variants per code object, up to ``recompile_limit`` (8); past it, it runs the
@@ -173,25 +239,26 @@ def compiled(fn, **static):
     roundings: no longer bit-exact. A code object per combination (fp16 or bf16
     weights, 16-bit or fp32 gradients after ``unscale_()``, CPU or CUDA) keeps every
     one compiled, and calls run with ``fail_on_recompile_limit_hit`` so that an eager
-    fallback is an error, never a silent change of numerics.
+    fallback is an error, never a silent change of numerics. The thread count is part
+    of the combination because a CPU kernel is generated for the thread count of its
+    compile (``torch.set_num_threads`` later does not change it).
 
     ``emulate_precision_casts`` keeps every cast to 16 bits a real rounding (by
     default inductor may drop a cast down and back up, and stochastic rounding needs
-    the nearest 16-bit value). The on-disk caches of compiled graphs are off for
-    these kernels: their keys ignore the example sizes from which inductor decided
-    how many threads a CPU loop uses, so a kernel first compiled on a small tensor (a
-    test) came back single-threaded for ResNet-50 and made its AdamW step 1.5x slower.
+    the nearest 16-bit value).
     """
     flags = tuple(sorted(static.items()))
 
     def call(*args):
-        key = (fn, flags, _signature(args))
-        if key not in _COMPILED:
+        args = _distinct(args)
+        key = (fn, flags, _signature(args), torch.get_num_threads())
+        first = key not in _COMPILED
+        if first:
             _COMPILED[key] = _compile_variant(fn, flags, len(_COMPILED))
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
-                torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False,
-                                             emulate_precision_casts=True), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
+                torch._inductor.config.patch(emulate_precision_casts=True):
+            if first:
+                _COMPILED[key](*_compile_examples(args), **static)
             return _COMPILED[key](*args, **static)
 
     return call
@@ -199,7 +266,8 @@ def compiled(fn, **static):
 
 def _compile_variant(fn, flags: tuple, serial: int):
     """``fn`` under a code object of its own (named for its flags), compiled."""
-    name = fn.__name__ + "".join(f"__{k}_{v if isinstance(v, str) else int(v)}" for k, v in flags) + f"__v{serial}"
+    name = fn.__name__ + "".join(f"__{k}_{v if isinstance(v, (str, type(None))) else int(v)}" for k, v in flags)
+    name += f"__v{serial}"
     code = fn.__code__.replace(co_name=name, co_qualname=name)
     variant = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     return torch.compile(variant, dynamic=True)

@@ -4,6 +4,7 @@ Run under torchrun (gloo on CPU, NCCL on GPU):
 
     torchrun --nproc_per_node 2 -m mpfp16.bench.allreduce --sizes 4K,1M,16M,100M --json sweep.json --plot sweep.png
     torchrun --nproc_per_node 2 -m mpfp16.bench.allreduce --model resnet18 --accum 4
+    torchrun --nproc_per_node 2 -m mpfp16.bench.allreduce --model imagegpt-s --seq-len 16 --batch-size 1 --accum 32
 
 Collective sweep (default). For each size, every type averages the same number of
 elements, count = size / 4: the fp32 message is ``size`` bytes and a 16-bit one half
@@ -15,9 +16,11 @@ and the slowest rank's time counts; the table gives the median. As in nccl-tests
 (doc/PERFORMANCE.md): algbw = bytes / time; busbw = algbw * 2(n-1)/n for an
 allreduce, the rate each rank's link must sustain, comparable across world sizes.
 
-Training-step view (``--model``). The gradients of a real torchvision model, synced
-by DDP with mpfp16's hooks, in four set-ups: an fp32 model; an fp16 model with the
-fp16 allreduce; fp16 with an fp32 allreduce; fp16 with the fp32-accumulate strategy.
+Training-step view (``--model``). The gradients of a real model (a torchvision model
+on random images, or a GPT size from mpfp16.train.gpt on random tokens), synced
+by DDP with mpfp16's hooks, in up to four set-ups (``--setups``): an fp32 model; an
+fp16 model with the fp16 allreduce; fp16 with an fp32 allreduce; fp16 with the
+fp32-accumulate strategy. The optimizer is SGD with momentum.
 Each runs ``--accum`` micro-batches per optimizer step, once with an allreduce on
 every micro-batch and once with ``no_sync`` on all but the last; a one-process
 baseline (rank 0 alone, the others idle) gives the compute-only rate. The table
@@ -182,23 +185,48 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
 
 # ----------------------------------------------------------------- training-step view
 
-SETUPS = [  # name, model precision, wrap() arguments
-    ("fp32 model", "fp32", {}),
-    ("fp16, fp16 allreduce", "fp16", {}),
-    ("fp16, fp32 allreduce", "fp16", {"allreduce_dtype": torch.float32}),
-    ("fp16, fp32-accumulate", "fp16", {"strategy": "fp32_accumulate"}),
-]
+SETUPS = {  # key: (name, model precision, wrap() arguments)
+    "fp32": ("fp32 model", "fp32", {}),
+    "fp16": ("fp16, fp16 allreduce", "fp16", {}),
+    "fp16-fp32-allreduce": ("fp16, fp32 allreduce", "fp16", {"allreduce_dtype": torch.float32}),
+    "fp16-fp32-accumulate": ("fp16, fp32-accumulate", "fp16", {"strategy": "fp32_accumulate"}),
+}
 
 
-def _build(model_name: str, precision: str, device: torch.device, num_classes: int, init_scale: float = 2.0**16):
+def model_names() -> list[str]:
+    from ..train.gpt import GPT_SIZES
+    from ..train.models import imagenet_arch_names
+
+    return list(GPT_SIZES) + imagenet_arch_names()
+
+
+def _workload(args, rank: int, device: torch.device):
+    """(build(), loss(net)): the model's constructor and its loss on this rank's fixed
+    micro-batch, random with a per-rank seed. A GPT size keeps all its positions (its
+    parameters, the allreduce volume, are the named size's) and trains on ``--seq-len``
+    random token ids with the next-token loss; a torchvision model on random images."""
+    from ..train.gpt import GPT_SIZES, build_gpt, next_token_loss
+
+    g = torch.Generator().manual_seed(rank)
+    if args.model in GPT_SIZES:
+        tokens = torch.randint(0, GPT_SIZES[args.model]["vocab_size"], (args.batch_size, args.seq_len + 1),
+                               generator=g).to(device)
+        return (lambda: build_gpt(args.model)), (lambda net: next_token_loss(net, tokens))
     import torchvision
 
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g).to(device)
+    labels = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
+    return ((lambda: torchvision.models.get_model(args.model, weights=None, num_classes=10)),
+            (lambda net: nn.functional.cross_entropy(net(images), labels)))
+
+
+def _build(make_model, precision: str, device: torch.device, init_scale: float = 2.0**16):
     from ..convert import to_half
     from ..optimizer import FP16Optimizer
     from ..scaler import DynamicLossScaler
 
     torch.manual_seed(0)
-    model = torchvision.models.get_model(model_name, weights=None, num_classes=num_classes).to(device)
+    model = make_model().to(device)
     if precision == "fp16":
         to_half(model)
     scaler = DynamicLossScaler(init_scale=init_scale) if precision == "fp16" else None
@@ -206,29 +234,28 @@ def _build(model_name: str, precision: str, device: torch.device, num_classes: i
     return model, opt
 
 
-def _steps(net, opt, batch, accum: int, steps: int, sync_every_micro: bool, stats) -> tuple[float, list[dict]]:
+def _steps(net, opt, loss, accum: int, steps: int, sync_every_micro: bool, stats) -> tuple[float, list[dict]]:
     """Run `steps` optimizer steps of `accum` micro-batches; return seconds and per-step comm figures."""
-    images, labels = batch
     per_step = []
     start = time.perf_counter()
     for _ in range(steps):
         opt.zero_grad()
         for micro in range(accum):
             with mdist.sync_gradients(net, sync_every_micro or micro == accum - 1):
-                opt.backward(nn.functional.cross_entropy(net(images), labels) / accum)
+                opt.backward(loss(net) / accum)
         opt.step()
         if stats is not None:
             per_step.append(stats.pop_step())
     return time.perf_counter() - start, per_step
 
 
-def _warm_up(net, opt, batch, accum: int, sync_every_micro: bool, stats) -> None:
+def _warm_up(net, opt, loss, accum: int, sync_every_micro: bool, stats) -> None:
     """Steps until one is not skipped, at most 25: the dynamic loss scale backs off
     from its initial 2^16 (by half per skipped step) until the gradients fit, so that
     the timed steps are real steps, not skips."""
     for _ in range(25):
         skipped = opt.skipped_steps
-        _steps(net, opt, batch, accum, 1, sync_every_micro, stats)
+        _steps(net, opt, loss, accum, 1, sync_every_micro, stats)
         if opt.skipped_steps == skipped:
             return
     print(f"warning: every warm-up step was skipped (loss scale now {opt.loss_scale:g}); the timed steps may be "
@@ -237,34 +264,33 @@ def _warm_up(net, opt, batch, accum: int, sync_every_micro: bool, stats) -> None
 
 def model_view(args, info: mdist.DistInfo) -> list[dict]:
     device, world = info.device, info.world_size
-    g = torch.Generator().manual_seed(info.rank)
-    batch = (torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g).to(device),
-             torch.randint(0, 10, (args.batch_size,), generator=g).to(device))
+    make_model, loss = _workload(args, info.rank, device)
     rows = []
-    for name, precision, wrap_kw in SETUPS:
+    for key in args.setups:
+        name, precision, wrap_kw = SETUPS[key]
         micro = args.accum * args.steps
         # One process: rank 0 alone (its overflow decisions must not wait for the
         # others), while the other ranks wait at the broadcast.
         single = torch.zeros(2, dtype=torch.float64, device=device)  # rate, the loss scale it settled on
         if info.rank == 0:
-            model, opt = _build(args.model, precision, device, 10)
+            model, opt = _build(make_model, precision, device)
             opt.reduce_overflow = False
-            _warm_up(model, opt, batch, args.accum, True, None)
-            seconds, _ = _steps(model, opt, batch, args.accum, args.steps, True, None)
+            _warm_up(model, opt, loss, args.accum, True, None)
+            seconds, _ = _steps(model, opt, loss, args.accum, args.steps, True, None)
             single[0], single[1] = micro / seconds, opt.loss_scale
             del model, opt
         dist.broadcast(single, src=0)
         # The same on every rank, starting from the settled scale.
-        model, opt = _build(args.model, precision, device, 10, init_scale=float(single[1]))
+        model, opt = _build(make_model, precision, device, init_scale=float(single[1]))
         ddp = mdist.wrap(model, bucket_mb=args.bucket_mb, **wrap_kw)
         stats = mdist.comm_stats(ddp)
         rows.append({"setup": name, "processes": 1, "no_sync": None, "its_per_s": float(single[0]),
                      "bytes_per_step": 0, "calls_per_step": 0, "comm_ms": 0.0, "exposed_ms": 0.0, "skipped": None})
         for no_sync in (False, True):
-            _warm_up(ddp, opt, batch, args.accum, not no_sync, stats)
+            _warm_up(ddp, opt, loss, args.accum, not no_sync, stats)
             dist.barrier()
             skipped = opt.skipped_steps
-            seconds, per_step = _steps(ddp, opt, batch, args.accum, args.steps, not no_sync, stats)
+            seconds, per_step = _steps(ddp, opt, loss, args.accum, args.steps, not no_sync, stats)
             rate = torch.tensor([micro / seconds], dtype=torch.float64, device=device)
             dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # the slowest rank sets the pace
             rows.append({
@@ -308,12 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON (default: none)")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="plot busbw against size (default: none)")
     g = p.add_argument_group("training-step view")
-    g.add_argument("--model", default=None, help="a torchvision model name: measure its training steps "
-                                                 "instead of the sweep (default: none)")
+    g.add_argument("--model", default=None, help="measure this model's training steps instead of the sweep: "
+                                                 "a GPT size (imagegpt-s, gpt2) or a torchvision model (default: none)")
+    g.add_argument("--setups", type=parse_list(list(SETUPS)), default=",".join(SETUPS),
+                   help=f"which set-ups, in order (default: {','.join(SETUPS)})")
     g.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step (default: 4)")
     g.add_argument("--steps", type=int, default=3, help="timed optimizer steps per set-up (default: 3)")
-    g.add_argument("--batch-size", type=int, default=8, help="images per micro-batch (default: 8)")
-    g.add_argument("--image-size", type=int, default=64, help="image side (default: 64)")
+    g.add_argument("--batch-size", type=int, default=8, help="images or sequences per micro-batch (default: 8)")
+    g.add_argument("--image-size", type=int, default=64, help="image side, torchvision models (default: 64)")
+    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence, GPT sizes (default: 64)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (default: 25)")
     p.add_argument("--dist-backend", choices=mdist.BACKENDS, default=None,
                    help="process group backend (default: nccl on GPU, gloo on CPU)")
@@ -323,16 +352,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("iters", "accum", "steps", "batch_size", "image_size"):
+    for name in ("iters", "accum", "steps", "batch_size", "image_size", "seq_len"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         parser.error("--warmup must be 0 or more")
+    if args.model is not None and args.model not in model_names():
+        parser.error(f"unknown model {args.model!r}: a GPT size (imagegpt-s, gpt2) or a torchvision model")
     if args.model is not None:
-        from ..train.models import imagenet_arch_names
+        from ..train.gpt import GPT_SIZES
 
-        if args.model not in imagenet_arch_names():
-            parser.error(f"unknown torchvision model {args.model!r}")
+        if args.model in GPT_SIZES and args.seq_len > GPT_SIZES[args.model]["seq_len"]:
+            parser.error(f"--seq-len {args.seq_len}: {args.model} has {GPT_SIZES[args.model]['seq_len']} positions")
     info = mdist.init(backend=args.dist_backend)
     if not info.distributed or info.world_size < 2:
         print("error: run this under torchrun with 2 or more processes, e.g. "
@@ -346,9 +377,12 @@ def main(argv=None) -> int:
             text = sweep_table(rows)
             header += f", median of {args.iters} rounds (slowest rank), count = size / 4 for every type"
         else:
+            from ..train.gpt import GPT_SIZES
+
             rows = model_view(args, info)
             text = model_table(rows)
-            header += (f", {args.model}, batch {args.batch_size} at {args.image_size}px, "
+            shape = f"{args.seq_len} tokens" if args.model in GPT_SIZES else f"{args.image_size}px"
+            header += (f", {args.model}, batch {args.batch_size} at {shape}, "
                        f"{args.accum} micro-batches per step, median of {args.steps} steps")
         if info.is_main_process:
             print(header)

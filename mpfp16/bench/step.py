@@ -1,12 +1,18 @@
-"""The optimizer step: mpfp16 against torch's fp32 step, torch.amp and an apex-style loop.
+"""The optimizer step: mpfp16 against torch's fp32 step, torch.amp and an apex-style
+loop, each as time, as memory traffic, and as a fraction of this machine's memory
+bandwidth measured in the same run.
 
-    python -m mpfp16.bench.step [--model resnet50] [--optimizer sgd|adamw|adam] [--json PATH]
+    python -m mpfp16.bench.step [--model resnet50|gpt2|NAME] [--optimizer sgd|sgd-nowd|adamw|adam]
+                                [--threads 1,2] [--json PATH]
 
-Every method steps a parameter set with the shapes of a torchvision model (ResNet-50:
-25.6M parameters in 161 tensors) from gradients that are already there; only the
-step is timed. The methods run alternately, one step each per round, after warm-up
-rounds (which also compile mpfp16's fused kernels); the table gives medians and each
-method's ratio to torch's own fp32 step:
+Every method steps a parameter set with the shapes of a model (a torchvision model by
+name, ResNet-50 by default: 25.6M parameters in 161 tensors; or ``gpt2``, GPT-2
+small: 124.4M parameters in 148 tensors, tied embeddings, mpfp16/train/gpt.py) from
+gradients that are already there; only the step is timed. Normalization layers'
+parameters stay fp32 in the 16-bit methods, as ``to_half`` keeps them. The methods run
+alternately, one step each per round, after warm-up rounds (which also compile
+mpfp16's fused kernels); the table gives medians and each method's ratio to torch's
+own fp32 step:
 
   a. torch fp32: SGD-momentum with foreach=True, or Adam/AdamW with fused=True;
   b. torch.amp: GradScaler.unscale_ + step + update over fp32 parameters;
@@ -19,6 +25,13 @@ method's ratio to torch's own fp32 step:
   g. d with ``unscale_()`` called before ``step()`` (the order of a user who clips
      with their own function): the fp32 gradients the fused step otherwise never
      writes, and kernels that read them.
+
+**The limit.** Before the methods, for each thread count, the run measures memory
+bandwidth with torch ops over fp32 buffers far larger than any cache: a copy
+(``a.copy_(b)``, 8 bytes per element) and a triad (``a = b + s * c``, 12 bytes per
+element), best of several. The higher is the limit. Each method's row then gives the
+bytes per parameter it moves (``TRAFFIC``: every pass it makes, reads plus writes, as
+counted below), the GB/s that makes at its median time, and the fraction of the limit.
 
 It also reports the optimizer-side memory in bytes per parameter of each mpfp16 mode.
 """
@@ -34,10 +47,60 @@ import sys
 import torch
 import torch.nn as nn
 
+from ..convert import NORM_TYPES
 from ..optimizer import FP16Optimizer
 from .timing import time_call
 
 LOSS_SCALE = 1024.0
+OPTIMIZERS = ("sgd", "sgd-nowd", "adamw", "adam")
+
+
+def _torch_step_bytes(kind: str, fused: bool) -> int:
+    """Bytes per parameter of torch's own fp32 step (foreach and for-loop alike make
+    the same passes). SGD-momentum: [weight decay: g = g + wd * p, 12] buf *= m (8),
+    buf += g (12), p -= lr * buf (12). Adam/AdamW: [Adam: g = g + wd * p, 12; AdamW:
+    p *= 1 - lr * wd, 8] exp_avg.lerp_ (12), exp_avg_sq *= b2 (8), += (1 - b2) g^2 (12),
+    sqrt (8), / bias correction (8), + eps (8), p.addcdiv_ (16). Fused Adam/AdamW: one
+    pass, p, g, exp_avg, exp_avg_sq read and p and both moments written (28)."""
+    if kind.startswith("sgd"):
+        return 32 + (12 if kind == "sgd" else 0)
+    if fused:
+        return 28
+    return 12 + 12 + 20 + 24 + 16 - (4 if kind == "adamw" else 0)
+
+
+def traffic(kind: str, device_type: str = "cpu") -> dict[str, int]:
+    """Bytes per parameter each method moves through memory, pass by pass.
+
+    a. torch's step: SGD foreach, or fused Adam/AdamW (``_torch_step_bytes``).
+    b. GradScaler's unscale_ reads and writes the fp32 gradients (8), then torch's step.
+    c. apex loop: fp16 grad -> fp32 (2 + 4), unscale in place (8), isfinite + all
+       (4 + 1 + 1), torch's step on the masters, master -> fp16 weight (4 + 2).
+    d. mpfp16 fused: the overflow check reads the fp16 gradients (2); the kernel reads
+       the fp16 gradient and the fp32 master and state and writes them and the fp16
+       weight (SGD-momentum: 2 + 4 + 4 read, 4 + 4 + 2 written = 20; Adam: 28).
+    e. mpfp16 unfused: fp16 grad -> fp32 (6), unscale and check in one pass (8),
+       torch's for-loop step on the masters, master -> fp16 weight (6).
+    f. no masters: check (2), the kernel reads the fp16 weight for the fp32 master
+       (SGD: 2 + 2 + 4 read, 4 + 2 written = 14; Adam: 22). Adam with its coupled
+       weight decay runs two passes on CPU (kernels.adam_moments): weight, gradient and
+       moments read, moments written (20), then weight and moments read and the
+       weight written (12): 32.
+    g. d after unscale_(): fp16 grad -> fp32 plus unscale and check (14), the kernel
+       reads the fp32 gradient (2 more than d's).
+    """
+    sgd = kind.startswith("sgd")
+    torch_step = _torch_step_bytes(kind, fused=False)
+    fused_kernel = 20 if sgd else 28
+    return {
+        "a": _torch_step_bytes(kind, fused=not sgd),
+        "b": 8 + torch_step,
+        "c": 6 + 8 + 6 + torch_step + 6,
+        "d": 2 + fused_kernel,
+        "e": 14 + torch_step + 6,
+        "f": 2 + (32 if kind == "adam" and device_type == "cpu" else fused_kernel - 6),
+        "g": 14 + fused_kernel + 2,
+    }
 
 
 def cpu_model() -> str:
@@ -51,37 +114,48 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def model_params(name: str, device: torch.device) -> list[nn.Parameter]:
-    import torchvision
-
+def model_params(name: str, device: torch.device) -> list[tuple[nn.Parameter, bool]]:
+    """(fp32 parameter, whether the 16-bit methods make it 16-bit) for each parameter
+    of the model: normalization layers' parameters stay fp32, as ``to_half`` keeps them."""
     torch.manual_seed(0)
-    model = torchvision.models.get_model(name, weights=None)
-    return [nn.Parameter(p.detach().to(device)) for p in model.parameters()]
+    if name == "gpt2":
+        from ..train.gpt import build_gpt
+
+        model = build_gpt("gpt2")
+    else:
+        import torchvision
+
+        model = torchvision.models.get_model(name, weights=None)
+    kept = {id(p) for m in model.modules() if isinstance(m, NORM_TYPES) for p in m.parameters(recurse=False)}
+    return [(nn.Parameter(p.detach().to(device)), id(p) not in kept) for p in model.parameters()]
 
 
 def inner_optimizer(kind: str, params, **kw) -> torch.optim.Optimizer:
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4, **kw)
+    if kind.startswith("sgd"):
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4 if kind == "sgd" else 0.0, **kw)
     cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
     return cls(params, lr=1e-3, weight_decay=1e-2 if kind == "adamw" else 1e-4, **kw)
 
 
-def fp32_reference(kind: str, params):
-    """a: torch's fastest fp32 step for the optimizer."""
-    ps = [nn.Parameter(p.detach().clone()) for p in params]
+def _fp32_copies(params) -> list[nn.Parameter]:
+    ps = [nn.Parameter(p.detach().clone()) for p, _ in params]
     for p in ps:
         p.grad = torch.randn_like(p) * 1e-3
-    opt = inner_optimizer(kind, ps, foreach=True) if kind == "sgd" else inner_optimizer(kind, ps, fused=True)
+    return ps
+
+
+def fp32_reference(kind: str, params):
+    """a: torch's fastest fp32 step for the optimizer."""
+    ps = _fp32_copies(params)
+    opt = inner_optimizer(kind, ps, foreach=True) if kind.startswith("sgd") else inner_optimizer(kind, ps, fused=True)
     return opt.step
 
 
 def amp_grad_scaler(kind: str, params):
     """b: GradScaler over fp32 parameters (it refuses fp16 gradients). A scale of 1
     keeps the gradients the same from one round to the next."""
-    ps = [nn.Parameter(p.detach().clone()) for p in params]
-    for p in ps:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = inner_optimizer(kind, ps, foreach=True) if kind == "sgd" else inner_optimizer(kind, ps)
+    ps = _fp32_copies(params)
+    opt = inner_optimizer(kind, ps, foreach=True) if kind.startswith("sgd") else inner_optimizer(kind, ps)
     scaler = torch.amp.GradScaler(ps[0].device.type, init_scale=1.0, growth_interval=1 << 30)
     scaler.scale(torch.ones((), device=ps[0].device))  # makes the scaler's scale tensor
 
@@ -94,39 +168,47 @@ def amp_grad_scaler(kind: str, params):
 
 
 def apex_loop(kind: str, params):
-    """c: the per-tensor master loop of apex's FP16_Optimizer."""
-    model16 = [nn.Parameter(p.detach().half()) for p in params]
+    """c: the per-tensor master loop of apex's FP16_Optimizer (fp32 parameters are
+    their own masters, as in apex's fp32_from_fp32 groups)."""
+    model16 = [nn.Parameter(p.detach().half() if half else p.detach().clone()) for p, half in params]
     for p in model16:
-        p.grad = (torch.randn_like(p, dtype=torch.float32) * 1e-3 * LOSS_SCALE).half()
-    masters = [nn.Parameter(p.detach().float()) for p in model16]
-    opt = inner_optimizer(kind, masters, foreach=True) if kind == "sgd" else inner_optimizer(kind, masters)
+        p.grad = (torch.randn_like(p, dtype=torch.float32) * 1e-3 * LOSS_SCALE).to(p.dtype)
+    masters = [nn.Parameter(p.detach().float()) if p.dtype != torch.float32 else p for p in model16]
+    opt = inner_optimizer(kind, masters, foreach=True) if kind.startswith("sgd") else inner_optimizer(kind, masters)
     inv = 1.0 / LOSS_SCALE
 
     @torch.no_grad()
     def step():
         for p, m in zip(model16, masters):
-            if m.grad is None:
-                m.grad = torch.empty_like(m)
-            m.grad.copy_(p.grad).mul_(inv)
+            if m is p:
+                p.grad.mul_(inv)  # undone below, so that every round sees the same gradients
+            else:
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                m.grad.copy_(p.grad).mul_(inv)
             if not bool(torch.isfinite(m.grad).all()):
                 return
         opt.step()
         for p, m in zip(model16, masters):
-            p.copy_(m)
+            if m is p:
+                p.grad.mul_(LOSS_SCALE)
+            else:
+                p.copy_(m)
 
     return step
 
 
 class _Mpfp16:
-    """d/e/f: an FP16Optimizer over fp16 parameters with the given settings."""
+    """d/e/f/g: an FP16Optimizer over 16-bit parameters (norms fp32) with the given settings."""
 
     def __init__(self, kind: str, params, dtype=torch.float16, **kw) -> None:
-        self.params = [nn.Parameter(p.detach().to(dtype)) for p in params]
+        self.params = [nn.Parameter(p.detach().to(dtype if half else torch.float32)) for p, half in params]
         self.opt = FP16Optimizer(inner_optimizer(kind, self.params),
                                  loss_scale=LOSS_SCALE if dtype == torch.float16 else None, **kw)
+        scale = LOSS_SCALE if dtype == torch.float16 else 1.0
         with torch.no_grad():
             for p in self.params:
-                p.grad.copy_(torch.randn_like(p, dtype=torch.float32) * 1e-3 * LOSS_SCALE)
+                p.grad.copy_(torch.randn_like(p, dtype=torch.float32) * 1e-3 * scale)
 
     def _touch(self) -> None:
         """A backward pass that reaches every parameter and adds exactly zero to its
@@ -155,34 +237,68 @@ def compare(methods: dict, rounds: int, warmup: int, device: torch.device) -> di
     return times
 
 
+def memory_bandwidth(device: torch.device, numel: int, rounds: int = 5) -> dict[str, float]:
+    """GB/s of a copy and a triad over fp32 buffers of ``numel`` elements, best of
+    ``rounds`` (the first touch of the buffers is not timed)."""
+    a = torch.zeros(numel, device=device)
+    b = torch.rand(numel, device=device)
+    c = torch.rand(numel, device=device)
+    best = {"copy": float("inf"), "triad": float("inf")}
+    for _ in range(rounds + 1):
+        best["copy"] = min(best["copy"], time_call(lambda: a.copy_(b), device))
+        best["triad"] = min(best["triad"], time_call(lambda: torch.add(b, c, alpha=3.0, out=a), device))
+    return {"copy": 8 * numel / best["copy"] / 1e9, "triad": 12 * numel / best["triad"] / 1e9}
+
+
+def _thread_counts(text: str) -> list[int]:
+    counts = [int(t) for t in text.split(",") if t.strip()]
+    if not counts or min(counts) < 1:
+        raise ValueError
+    return counts
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="resnet50", help="torchvision model whose shapes to use (default: resnet50)")
-    parser.add_argument("--optimizer", choices=["sgd", "adamw", "adam"], default="sgd",
-                        help="optimizer (default: sgd, momentum 0.9)")
+    parser.add_argument("--model", default="resnet50",
+                        help="gpt2, or a torchvision model whose shapes to use (default: resnet50)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                        help="sgd: momentum 0.9, weight decay 1e-4; sgd-nowd: the same without weight decay; "
+                             "adamw; adam (default: sgd)")
+    parser.add_argument("--threads", default=None, metavar="N[,N...]",
+                        help="torch thread counts to measure, one table each (default on CPU: 1,2 where the "
+                             "machine has 2 cores or more; on CUDA: the current count)")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds (default: 15)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
+    parser.add_argument("--bandwidth-numel", type=int, default=1 << 26,
+                        help="elements per fp32 buffer of the bandwidth measurement (default: 2^26, 256 MB)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON (default: none)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         parser.error("--rounds must be >= 1 and --warmup >= 0")
+    if args.bandwidth_numel < 1:
+        parser.error("--bandwidth-numel must be >= 1")
     from ..train.models import imagenet_arch_names
 
-    if args.model not in imagenet_arch_names():
-        parser.error(f"unknown torchvision model {args.model!r}")
+    if args.model != "gpt2" and args.model not in imagenet_arch_names():
+        parser.error(f"unknown model {args.model!r}: gpt2 or a torchvision model")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is available")
+    try:
+        threads = (_thread_counts(args.threads) if args.threads is not None
+                   else [1, 2] if device.type == "cpu" and torch.get_num_threads() >= 2 else [torch.get_num_threads()])
+    except ValueError:
+        parser.error(f"--threads must be positive integers separated by commas, got {args.threads!r}")
 
     params = model_params(args.model, device)
-    numel = sum(p.numel() for p in params)
+    numel = sum(p.numel() for p, _ in params)
     kind = args.optimizer
     fused16 = _Mpfp16(kind, params, fused=True)
     unfused16 = _Mpfp16(kind, params, fused=False)
     nomaster16 = _Mpfp16(kind, params, master_weights=False, fused=True)
     unscaled16 = _Mpfp16(kind, params, fused=True)
-    a_name = f"a. torch fp32 {'SGD foreach' if kind == 'sgd' else kind + ' fused'}"
+    a_name = f"a. torch fp32 {'SGD foreach' if kind.startswith('sgd') else kind + ' fused'}"
     methods = {
         a_name: (None, fp32_reference(kind, params)),
         "b. torch.amp GradScaler": (None, amp_grad_scaler(kind, params)),
@@ -192,19 +308,36 @@ def main(argv=None) -> int:
         "f. mpfp16 no masters": (nomaster16._touch, nomaster16.step),
         "g. mpfp16 fused, unscale_()": (unscaled16._touch, unscaled16.unscale_and_step),
     }
-    times = compare(methods, args.rounds, args.warmup, device)
+    bytes_per_param = traffic(kind, device.type)
+    where = cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(f"# {args.model} shapes: {numel:,} parameters in {len(params)} tensors; {kind}; {device.type} ({where}); "
+          f"median of {args.rounds} rounds")
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            bandwidth = memory_bandwidth(device, args.bandwidth_numel)
+            limit = max(bandwidth.values())
+            times = compare(methods, args.rounds, args.warmup, device)
+            ref = statistics.median(times[a_name])
+            rows = []
+            print(f"\n## {n} thread{'s' if n > 1 else ''}: memory bandwidth {bandwidth['copy']:.1f} GB/s copy, "
+                  f"{bandwidth['triad']:.1f} GB/s triad (fp32 buffers of {args.bandwidth_numel:,} elements); "
+                  f"limit {limit:.1f} GB/s")
+            print(f"{'method':<34}{'ms':>9}{'vs a':>8}{'B/param':>9}{'GB/s':>8}{'of limit':>10}")
+            for name, ts in times.items():
+                t = statistics.median(ts)
+                moved = bytes_per_param[name[0]]
+                gbps = moved * numel / t / 1e9
+                rows.append({"method": name, "median_ms": t * 1e3, "ratio": t / ref, "bytes_per_param": moved,
+                             "gb_per_s": gbps, "fraction_of_limit": gbps / limit})
+                print(f"{name:<34}{t * 1e3:>9.2f}{t / ref:>8.2f}{moved:>9d}{gbps:>8.1f}{gbps / limit:>10.2f}")
+            results.append({"threads": n, "bandwidth_gb_per_s": bandwidth, "limit_gb_per_s": limit, "rows": rows})
+    finally:
+        torch.set_num_threads(before)
     if not (fused16.opt.fused and nomaster16.opt.fused and unscaled16.opt.fused):
         print("warning: the fused path was not used (see the log line above)", file=sys.stderr)
-    ref = statistics.median(times[a_name])
-    rows = []
-    print(f"# {args.model} shapes: {numel:,} parameters in {len(params)} tensors; {kind}; {device.type}"
-          f" ({cpu_model() if device.type == 'cpu' else torch.cuda.get_device_name(device)}); "
-          f"{torch.get_num_threads()} threads; median of {args.rounds} rounds")
-    print(f"{'method':<34}{'ms':>9}{'vs a':>8}")
-    for name, ts in times.items():
-        t = statistics.median(ts)
-        rows.append({"method": name, "median_ms": t * 1e3, "ratio": t / ref})
-        print(f"{name:<34}{t * 1e3:>9.2f}{t / ref:>8.2f}")
 
     bf16 = _Mpfp16(kind, params, dtype=torch.bfloat16, fused=True)
     for holder in (fused16, unfused16, nomaster16, bf16):
@@ -224,8 +357,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "numel": numel, "tensors": len(params), "optimizer": kind,
-                       "device": device.type, "cpu": cpu_model(), "threads": torch.get_num_threads(),
-                       "rows": rows, "memory_bytes_per_param": memory}, f, indent=1)
+                       "device": device.type, "cpu": cpu_model(), "results": results,
+                       "memory_bytes_per_param": memory}, f, indent=1)
     return 0
 
 

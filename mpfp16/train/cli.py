@@ -120,7 +120,8 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                    help="data loading processes per training process" + default("workers"))
     if not cifar:
         g.add_argument("--image-size", type=_int_at_least(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE),
-                       help=f"training crop size, {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}" + default("image_size"))
+                       help=f"training crop size, {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}; a ViT or MaxViT is built "
+                            "for it" + default("image_size"))
         g.add_argument("--bad-images", choices=BAD_IMAGE_POLICIES,
                        help="an image that fails to decode: fail the run, or skip it with a warning naming "
                             "the file" + default("bad_images"))

@@ -72,7 +72,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         models.check_arch(cfg.task, cfg.arch)  # before loading data, which can take long
-        models.check_image_sizes(cfg.task, cfg.arch, [cfg.image_size] + [size for _, size in cfg.resize_phases])
+        # The sizes the epochs train at: a phase that starts at epoch 0 replaces --image-size.
+        sizes = [self._image_size(0)] + [size for start, size in cfg.resize_phases if start > 0]
+        models.check_image_sizes(cfg.task, cfg.arch, sizes)
         self.last_path = os.path.join(cfg.checkpoint_dir, "last.pt")
         self.best_path = os.path.join(cfg.checkpoint_dir, "best.pt")
         self.metrics_path = cfg.metrics or os.path.join(cfg.checkpoint_dir, "metrics.jsonl")
@@ -207,7 +209,7 @@ class Trainer:
         if cfg.task == "cifar":
             model = models.build_cifar_model(cfg.arch, self.spec.num_classes)
         else:
-            model = models.build_imagenet_model(cfg.arch, self.spec.num_classes)
+            model = models.build_imagenet_model(cfg.arch, self.spec.num_classes, image_size=self._image_size(0))
         if cfg.zero_init_residual:
             count = models.zero_init_residual_bn(model)
             logger.info("zero-initialized the last BatchNorm gamma of %d residual blocks", count)

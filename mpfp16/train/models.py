@@ -7,6 +7,12 @@ head whose logits are scaled by 1/8. ``resnet9-wN`` is the same with N channels 
 the prep layer instead of 64 (``resnet9-w8`` trains on a 2-core CPU in fp16 in about
 two minutes). ``resnet18`` for CIFAR is torchvision's with a 3x3 stride-1 stem and no
 max-pool.
+
+Most torchvision models take any image size. A vision transformer (``vit_*``) and
+MaxViT (``maxvit_t``) are built for one: a ViT's position embeddings and MaxViT's
+attention grids are sized when the model is constructed. These get the run's image
+size at construction (:func:`build_imagenet_model`), and cannot change it between
+epochs (:func:`check_image_sizes`).
 """
 
 from __future__ import annotations
@@ -20,11 +26,22 @@ import torchvision
 from ..errors import UserError, one_line
 
 __all__ = ["CIFAR_ARCHS", "build_cifar_model", "build_imagenet_model", "zero_init_residual_bn",
-           "imagenet_arch_names", "check_arch", "check_image_sizes", "UnknownArchError"]
+           "imagenet_arch_names", "check_arch", "check_image_sizes", "has_fixed_input_size",
+           "UnknownArchError", "ImageSizeError"]
+
+# torchvision's builders that take the input size, by name prefix: how they take it.
+_INPUT_SIZE_KWARGS = {
+    "vit_": lambda size: {"image_size": size},
+    "maxvit_": lambda size: {"input_size": (size, size)},
+}
 
 
 class UnknownArchError(UserError, ValueError):
     """An --arch that names no model."""
+
+
+class ImageSizeError(UserError, ValueError):
+    """An --image-size or --resize-phases that the arch cannot take."""
 
 
 def conv_bn(c_in: int, c_out: int) -> nn.Sequential:
@@ -100,19 +117,43 @@ def check_arch(task: str, arch: str) -> None:
         raise UnknownArchError(f"unknown torchvision arch {arch!r}{hint}; see torchvision.models.list_models()")
 
 
+def has_fixed_input_size(task: str, arch: str) -> bool:
+    """Whether ``arch`` is built for one image size (a ViT, MaxViT) rather than taking any."""
+    return task == "imagenet" and any(arch.startswith(prefix) for prefix in _INPUT_SIZE_KWARGS)
+
+
 def check_image_sizes(task: str, arch: str, sizes: list[int]) -> None:
-    """Raise a one-line :class:`UserError` if ``arch`` cannot take square images of one of
-    ``sizes``: a forward pass on the meta device checks every shape in a fraction of a
-    second, before any data is loaded (a ViT wants exactly 224, Inception at least 75)."""
-    build = build_cifar_model if task == "cifar" else build_imagenet_model
-    with torch.device("meta"):
-        model = build(arch, 10).eval()
-    for size in sorted(set(sizes)):
+    """Raise a one-line :class:`ImageSizeError` if ``arch`` cannot take square images of
+    each of ``sizes`` (the run's sizes, first to last). A forward pass on the meta
+    device checks every shape in a fraction of a second, before any data is loaded
+    (Inception wants at least 75, a ViT a multiple of its patch size). An arch built
+    for one size (:func:`has_fixed_input_size`) takes no other, so it cannot be resized
+    between epochs."""
+    check_arch(task, arch)
+    sizes = list(dict.fromkeys(sizes))
+    fixed = has_fixed_input_size(task, arch)
+    if fixed and len(sizes) > 1:
+        raise ImageSizeError(f"{arch} is built for one image size and cannot be resized between epochs (the run "
+                             f"asks for {', '.join(map(str, sizes))}): give --resize-phases one size, or drop it")
+    patch = _patch_size(arch) if fixed else None
+    for size in sizes:
+        if patch and size % patch:
+            raise ImageSizeError(f"{arch} cannot take {size}x{size} images: the size must be a multiple of its "
+                                 f"patch size, {patch}")
         try:
-            with torch.no_grad():
-                model(torch.empty(2, 3, size, size, device="meta"))
+            with torch.device("meta"):
+                model = (build_cifar_model(arch, 10) if task == "cifar" else
+                         build_imagenet_model(arch, 10, image_size=size)).eval()
+                with torch.no_grad():
+                    model(torch.empty(2, 3, size, size))
         except (RuntimeError, AssertionError, ValueError) as exc:
-            raise UserError(f"{arch} cannot take {size}x{size} images: {one_line(exc)}") from None
+            raise ImageSizeError(f"{arch} cannot take {size}x{size} images: {one_line(exc)}") from None
+
+
+def _patch_size(arch: str) -> int | None:
+    """A vision transformer's patch size (torchvision's ViT keeps it as ``patch_size``)."""
+    with torch.device("meta"):
+        return getattr(build_imagenet_model(arch, 10), "patch_size", None)
 
 
 def build_cifar_model(arch: str, num_classes: int = 10) -> nn.Module:
@@ -127,10 +168,22 @@ def imagenet_arch_names() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
-def build_imagenet_model(arch: str, num_classes: int = 1000) -> nn.Module:
-    """Any torchvision classification model, by name, randomly initialized."""
+def build_imagenet_model(arch: str, num_classes: int = 1000, image_size: int | None = None) -> nn.Module:
+    """Any torchvision classification model, by name, randomly initialized.
+
+    Args:
+        arch: a name from :func:`imagenet_arch_names`.
+        num_classes: outputs of the classifier.
+        image_size: the side of the square images it will take. Models built for one
+            size (:func:`has_fixed_input_size`) are built for this one; the others take
+            any size and ignore it. None: torchvision's default, 224.
+    """
     check_arch("imagenet", arch)
-    return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    kwargs = {}
+    for prefix, size_kwargs in _INPUT_SIZE_KWARGS.items():
+        if arch.startswith(prefix) and image_size is not None:
+            kwargs = size_kwargs(image_size)
+    return torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
 
 
 def zero_init_residual_bn(model: nn.Module) -> int:

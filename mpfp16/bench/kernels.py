@@ -1,0 +1,133 @@
+"""The Adam kernel variants, one flat buffer each, against torch's fused fp32 AdamW on
+the same number of elements: the table behind the choices in mpfp16/backends/kernels.py.
+
+    python -m mpfp16.bench.kernels [--numel 25557032] [--threads 1,2] [--json PATH]
+
+``mpfp16.bench.step`` times whole ``step()`` calls over a model's shapes; this one
+times single kernels on one buffer (ResNet-50's parameter count by default), so that
+the variants of one kernel can be compared with nothing else in the way. Rows:
+
+  torch fused AdamW      ``torch._fused_adamw_`` on one fp32 tensor (28 bytes/param);
+  check                  ``grad_stats``: the overflow check over the fp16 gradients (2);
+  AdamW, masters         the fused kernel (28), as shipped;
+  ... both lerp branches the same with eager lerp's two formulas computed and one
+                         selected per element (the formulation before issue 16);
+  ... SIMD 256           the shipped kernel compiled with inductor's ``cpp.simdlen=256``
+                         (256-bit vectors) instead of the CPU's widest;
+  AdamW, no masters      reads the fp16 weight for the fp32 value (22);
+  Adam, no masters, 1 pass   coupled weight decay, in one kernel (22);
+  Adam, no masters, 2 passes ``adam_moments`` then ``adam_apply`` (32), as shipped.
+
+Each variant is compiled as the fused backend compiles it (``kernels.compiled``:
+examples of one size class, fp16 casts kept exact) and timed alternately with the
+others, one call each per round after warm-up rounds; the table gives medians and the
+ratio to torch's fused AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import types
+
+import torch
+
+from .step import _thread_counts, compare, cpu_model
+
+
+def _variants(numel: int, device: torch.device) -> dict:
+    import torch._inductor.config
+
+    from ..backends import kernels as K
+
+    sc = lambda v: K.scalar(v, device)  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    grad = (torch.randn(numel, generator=g) * 1e-3).to(device, torch.float16)
+    weights = torch.randn(numel, generator=g).to(device, torch.float16)
+    master = weights.float()
+    exp_avg = torch.zeros(numel, device=device)
+    exp_avg_sq = torch.zeros(numel, device=device)
+    scalars = [sc(v) for v in (1.0, 1.0, 1e-2, 1 - 1e-5, 0.1, 0.999, 1e-3, 0.03, 1e-8, -1e-3)]
+    inv, clip, wd, _, b1, b2, ob2, bc2, eps, nss = scalars
+
+    def adam(master_weights: bool, decoupled: bool, lerp_low, simdlen=None):
+        fn = K.adam_update
+        if simdlen is not None:  # a function of its own, compiled (at its first call) with that vector width
+            fn = types.FunctionType(fn.__code__, fn.__globals__, f"adam_update_simd{simdlen}", fn.__defaults__)
+        kernel = K.compiled(fn, has_master=master_weights, has_weight_decay=True, decoupled=decoupled,
+                            maximize=False, lerp_low=lerp_low, rounding="nearest")
+
+        def call():
+            return kernel(weights, grad, master if master_weights else None, exp_avg, exp_avg_sq, None, None,
+                          *scalars)
+
+        if simdlen is not None:
+            with torch._inductor.config.patch({"cpp.simdlen": simdlen}):
+                call()
+        return call
+
+    moments = K.compiled(K.adam_moments, maximize=False, lerp_low=True)
+    apply = K.compiled(K.adam_apply, rounding="nearest")
+    check = K.compiled(K.grad_stats, with_norm=False)
+    ref = [[master.clone()], [grad.float()], [exp_avg.clone()], [exp_avg_sq.clone()], [], [torch.tensor(1.0)]]
+    return {
+        "torch fused AdamW (fp32)": (lambda: torch._fused_adamw_(
+            *ref, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=1e-2, eps=1e-8, amsgrad=False, maximize=False), 28),
+        "check (grad_stats)": (lambda: check(grad, inv), 2),
+        "AdamW, masters": (adam(True, True, True), 28),
+        "AdamW, masters, both lerp branches": (adam(True, True, None), 28),
+        "AdamW, masters, SIMD 256": (adam(True, True, True, simdlen=256), 28),
+        "AdamW, no masters": (adam(False, True, True), 22),
+        "Adam, no masters, 1 pass": (adam(False, False, True), 22),
+        "Adam, no masters, 2 passes": (lambda: (
+            moments(weights, grad, exp_avg, exp_avg_sq, inv, clip, wd, b1, b2, ob2),
+            apply(weights, exp_avg, exp_avg_sq, None, None, bc2, eps, nss)), 32),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=int, default=25_557_032, help="elements (default: ResNet-50's 25,557,032)")
+    parser.add_argument("--threads", default="1,2", metavar="N[,N...]", help="thread counts (default: 1,2)")
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds (default: 15)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON (default: none)")
+    args = parser.parse_args(argv)
+    if args.numel < 1 or args.rounds < 1 or args.warmup < 0:
+        parser.error("--numel and --rounds must be >= 1, --warmup >= 0")
+    try:
+        threads = _thread_counts(args.threads)
+    except ValueError:
+        parser.error(f"--threads must be positive integers separated by commas, got {args.threads!r}")
+    device = torch.device("cpu")
+    print(f"# Adam kernel variants on {args.numel:,} elements; cpu ({cpu_model()}); median of {args.rounds} rounds")
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            variants = _variants(args.numel, device)
+            times = compare({name: (None, fn) for name, (fn, _) in variants.items()}, args.rounds, args.warmup,
+                            device)
+            ref = statistics.median(times["torch fused AdamW (fp32)"])
+            print(f"\n## {n} thread{'s' if n > 1 else ''}")
+            print(f"{'variant':<38}{'ms':>9}{'vs torch':>10}{'B/param':>9}{'GB/s':>8}")
+            rows = []
+            for name, ts in times.items():
+                t, moved = statistics.median(ts), variants[name][1]
+                rows.append({"variant": name, "median_ms": t * 1e3, "ratio": t / ref, "bytes_per_param": moved,
+                             "gb_per_s": moved * args.numel / t / 1e9})
+                print(f"{name:<38}{t * 1e3:>9.2f}{t / ref:>10.2f}{moved:>9}{moved * args.numel / t / 1e9:>8.1f}")
+            results.append({"threads": n, "rows": rows})
+    finally:
+        torch.set_num_threads(before)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"numel": args.numel, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
