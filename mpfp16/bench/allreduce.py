@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from .. import comm
 from .. import distributed as mdist
+from ..train.gpt import GPT_SIZES, build_gpt, next_token_loss
 from .timing import time_call
 
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -194,7 +195,6 @@ SETUPS = {  # key: (name, model precision, wrap() arguments)
 
 
 def model_names() -> list[str]:
-    from ..train.gpt import GPT_SIZES
     from ..train.models import imagenet_arch_names
 
     return list(GPT_SIZES) + imagenet_arch_names()
@@ -205,8 +205,6 @@ def _workload(args, rank: int, device: torch.device):
     micro-batch, random with a per-rank seed. A GPT size keeps all its positions (its
     parameters, the allreduce volume, are the named size's) and trains on ``--seq-len``
     random token ids with the next-token loss; a torchvision model on random images."""
-    from ..train.gpt import GPT_SIZES, build_gpt, next_token_loss
-
     g = torch.Generator().manual_seed(rank)
     if args.model in GPT_SIZES:
         tokens = torch.randint(0, GPT_SIZES[args.model]["vocab_size"], (args.batch_size, args.seq_len + 1),
@@ -360,8 +358,6 @@ def main(argv=None) -> int:
     if args.model is not None and args.model not in model_names():
         parser.error(f"unknown model {args.model!r}: a GPT size (imagegpt-s, gpt2) or a torchvision model")
     if args.model is not None:
-        from ..train.gpt import GPT_SIZES
-
         if args.model in GPT_SIZES and args.seq_len > GPT_SIZES[args.model]["seq_len"]:
             parser.error(f"--seq-len {args.seq_len}: {args.model} has {GPT_SIZES[args.model]['seq_len']} positions")
     info = mdist.init(backend=args.dist_backend)
@@ -377,8 +373,6 @@ def main(argv=None) -> int:
             text = sweep_table(rows)
             header += f", median of {args.iters} rounds (slowest rank), count = size / 4 for every type"
         else:
-            from ..train.gpt import GPT_SIZES
-
             rows = model_view(args, info)
             text = model_table(rows)
             shape = f"{args.seq_len} tokens" if args.model in GPT_SIZES else f"{args.image_size}px"
