@@ -20,6 +20,14 @@ The hooks here average a bucket across ranks in one of two ways:
     per-element 16-bit arithmetic of its allreduce is replaced by one vectorized pass.
     On CPU the exchanges run on a worker thread, so backward keeps overlapping them.
 
+``"fp16_compress"``, ``"bf16_compress"``, ``"powersgd"``
+    torch's own DDP compression hooks (``default_hooks.fp16_compress_hook``,
+    ``bf16_compress_hook``, ``powerSGD_hook``), as baselines for an fp32 model: the
+    first two cast the fp32 bucket to 16 bits, divide by world_size and allreduce it;
+    PowerSGD allreduces low-rank factors P and Q of each matrix, with error feedback
+    and warm start (:mod:`mpfp16.powersgd` keeps its state for checkpoints). torch's
+    arithmetic is untouched; mpfp16 only adds the accounting.
+
 :class:`CommStats` counts, for each optimizer step, the logical allreduce calls (one
 per bucket), their payload bytes by wire dtype, the span from the first bucket's
 hand-over to the last result, and the part of it left exposed after backward had
@@ -38,15 +46,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .errors import one_line
+from .powersgd import PowerSGDMemory
 
-__all__ = ["STRATEGIES", "CommStats", "HookState", "allreduce_hook", "fp32_accumulate_hook", "HOOKS",
+__all__ = ["STRATEGIES", "MPFP16_STRATEGIES", "TORCH_STRATEGIES", "CommStats", "HookState", "allreduce_hook",
+           "fp32_accumulate_hook", "fp16_compress_hook", "bf16_compress_hook", "powersgd_hook", "HOOKS",
            "average_fp32_accumulate"]
 
 logger = logging.getLogger("mpfp16")
 
-STRATEGIES = ("allreduce", "fp32_accumulate")
+MPFP16_STRATEGIES = ("allreduce", "fp32_accumulate")
+TORCH_STRATEGIES = ("fp16_compress", "bf16_compress", "powersgd")  # torch's compression hooks, for fp32 models
+STRATEGIES = MPFP16_STRATEGIES + TORCH_STRATEGIES
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -73,8 +86,11 @@ class CommStats:
         self.wait_s = 0.0
         self._first_launch = self._last_launch = self._last_finish = None
 
-    def launched(self, numel: int, wire_dtype: torch.dtype) -> None:
-        now = time.perf_counter()
+    def launched(self, numel: int, wire_dtype: torch.dtype, at: float | None = None) -> None:
+        """A bucket of ``numel`` elements of ``wire_dtype`` on the wire was handed over
+        at ``at`` (``time.perf_counter()``; default now). A hook that learns its
+        payload only after it has compressed passes the hand-over time it took before."""
+        now = time.perf_counter() if at is None else at
         with self._lock:
             self.calls += 1
             self.bytes_by_dtype[dtype_name(wire_dtype)] += numel * wire_dtype.itemsize
@@ -136,6 +152,7 @@ class HookState:
     chunk_numel: int = 1 << 23
     small_numel: int = 1 << 16  # below this, fp32_accumulate upcasts and allreduces in fp32
     stats: CommStats = field(default_factory=CommStats)
+    powersgd: PowerSGDMemory | None = None  # strategy "powersgd" only
     compile_reduce: bool = True  # fp32_accumulate's reduction compiled; False once compiling failed
     _worker: _Worker | None = None
     _scratch: torch.Tensor | None = None
@@ -152,7 +169,15 @@ class HookState:
             s = self._scratch = torch.empty(numel, dtype=dtype, device=device)
         return s[:numel].view(shape)
 
+    def new_round(self) -> None:
+        """A forward pass (see :meth:`CommStats.new_round`)."""
+        self.stats.new_round()
+        if self.powersgd is not None:
+            self.powersgd.new_round()
+
     def close(self) -> None:
+        if self.powersgd is not None:
+            self.powersgd.new_round()  # drops the last bucket's future, which holds the process group
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -219,16 +244,22 @@ def _reduce(state: HookState, mine: torch.Tensor, others: torch.Tensor, world: i
 
 def _exchange(group, rank: int, sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None]) -> None:
     """Point-to-point: send ``sends[j]`` to rank j and receive ``recvs[j]`` from it.
-    Empty tensors are neither sent nor received (both sides know every size)."""
-    ops = []
+    Empty tensors are neither sent nor received (both sides know every size).
+
+    Every receive is posted before any send. On gloo, with the sends first, the two
+    directions of a link often ran one after the other: on an emulated 1 Gbit/s link
+    (mpfp16.bench.netem) 8 MB each way took 118-140 ms in 8 of 12 tries, against
+    70-81 ms in 12 of 12 with the receives first (67 ms is the link's limit)."""
+    receives, sends_ = [], []
     for j, (s, r) in enumerate(zip(sends, recvs)):
         if j == rank:
             continue
         peer = dist.get_global_rank(group, j)
-        if s.numel():
-            ops.append(dist.P2POp(dist.isend, s, peer, group))
         if r.numel():
-            ops.append(dist.P2POp(dist.irecv, r, peer, group))
+            receives.append(dist.P2POp(dist.irecv, r, peer, group))
+        if s.numel():
+            sends_.append(dist.P2POp(dist.isend, s, peer, group))
+    ops = receives + sends_
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
@@ -329,4 +360,61 @@ def fp32_accumulate_hook(state: HookState, bucket):
     return fut
 
 
-HOOKS = {"allreduce": allreduce_hook, "fp32_accumulate": fp32_accumulate_hook}
+def _accounted(state: HookState, handed_over: float, numel: int, wire_dtype: torch.dtype,
+               fut: torch.futures.Future) -> torch.futures.Future:
+    """torch's hook's future, with the bucket counted as handed over at ``handed_over``
+    and finished when that future completes. The count comes before the callback is
+    attached, so a future that has already completed is never finished before launched."""
+    state.stats.launched(numel, wire_dtype, at=handed_over)
+
+    def finish(f: torch.futures.Future) -> torch.Tensor:
+        value = f.value()
+        state.stats.finished()
+        return value
+
+    return fut.then(finish)
+
+
+def fp16_compress_hook(state: HookState, bucket):
+    """torch's ``fp16_compress_hook``, counted: ``numel`` fp16 elements on the wire."""
+    handed_over = time.perf_counter()
+    fut = default_hooks.fp16_compress_hook(state.process_group, bucket)
+    return _accounted(state, handed_over, bucket.buffer().numel(), torch.float16, fut)
+
+
+def bf16_compress_hook(state: HookState, bucket):
+    """torch's ``bf16_compress_hook``, counted: ``numel`` bf16 elements on the wire."""
+    handed_over = time.perf_counter()
+    fut = default_hooks.bf16_compress_hook(state.process_group, bucket)
+    return _accounted(state, handed_over, bucket.buffer().numel(), torch.bfloat16, fut)
+
+
+def powersgd_hook(state: HookState, bucket):
+    """torch's ``powerSGD_hook``, one bucket after the other, counted as torch counts it
+    (:meth:`mpfp16.powersgd.PowerSGDMemory.run` runs it).
+
+    torch's hook issues the P and Q allreduces from its future's callbacks, on a
+    communication thread, while the next bucket's hook issues its first allreduce from
+    the autograd thread; the ranks can then enqueue them in different orders. With two
+    buckets on gloo, plain DDP with ``powerSGD_hook`` hung here; where the sizes match,
+    such a mix-up would pair the wrong tensors. So a bucket waits, in the autograd
+    thread, for the previous bucket's result before torch's hook runs: every rank
+    issues the collectives in one order. A single bucket never waits (on NCCL, whose
+    futures torch completes as the work is enqueued, nothing should: not measured).
+
+    Before ``start_powerSGD_iter`` torch allreduces the whole bucket. After it, the
+    wire carries the uncompressed tensors, then P, then Q, three allreduces counted as
+    this bucket's one call: torch adds exactly those elements to
+    ``total_numel_after_compression`` in the hook's body, before it returns, so the
+    difference across the call is the payload.
+    """
+    memory = state.powersgd
+    handed_over = time.perf_counter()
+    before = memory.state.total_numel_after_compression
+    fut, compressed = memory.run(bucket)
+    numel = memory.state.total_numel_after_compression - before if compressed else bucket.buffer().numel()
+    return _accounted(state, handed_over, numel, bucket.buffer().dtype, fut)
+
+
+HOOKS = {"allreduce": allreduce_hook, "fp32_accumulate": fp32_accumulate_hook,
+         "fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compress_hook, "powersgd": powersgd_hook}

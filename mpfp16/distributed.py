@@ -18,20 +18,24 @@ import inspect
 import logging
 import os
 import sys
+import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 
-from .comm import HOOKS, STRATEGIES, CommStats, HookState
+from .comm import HOOKS, STRATEGIES, TORCH_STRATEGIES, CommStats, HookState
+from .powersgd import RANDOM_SEED, PowerSGDMemory
 from .replicas import ReplicaDivergenceError, check_replicas
 
 __all__ = [
-    "DistInfo", "init", "teardown", "wrap", "sync_gradients", "comm_stats", "check_replicas",
-    "ReplicaDivergenceError", "broadcast_buffers", "broadcast_object", "all_gather_object", "get_rank",
-    "get_world_size", "is_main_process", "DEFAULT_TIMEOUT_S",
+    "DistInfo", "init", "teardown", "wrap", "sync_gradients", "comm_stats", "comm_state_dict",
+    "load_comm_state_dict", "check_replicas", "ReplicaDivergenceError", "broadcast_buffers", "broadcast_object",
+    "all_gather_object", "gather_object", "get_rank", "get_world_size", "is_main_process", "DEFAULT_TIMEOUT_S",
 ]
 
 logger = logging.getLogger("mpfp16")
@@ -197,21 +201,41 @@ def teardown() -> None:
     their last collectives after Python is gone, and the process aborts ("terminate
     called without an active exception", seen here in about one exit in ten). So the
     collection runs now. Drop your references to the DDP module before calling this.
+
+    torch's PowerSGD hook has a second way to abort: its future callbacks hold the
+    process group, and a gloo thread frees a callback after it ran, once it gets the
+    GIL, which can be after the step's result was handed back and after this function
+    destroyed the group. That last reference then destroys the group on the gloo
+    thread, whose destructor joins the gloo threads, itself included ("Resource
+    deadlock avoided", about one exit in ten here). So after a PowerSGD run, the group
+    is released here, on this thread, once the gloo threads have let go of it.
     """
+    group = dist.group.WORLD if is_initialized() and any(s.powersgd for s in _HOOK_STATES) else None
     for state in _HOOK_STATES:
         state.close()
     _HOOK_STATES.clear()
     if is_initialized():
         dist.destroy_process_group()
     gc.collect()
+    _release_last(group)
+
+
+def _release_last(group, timeout_s: float = 1.0) -> None:
+    """Return when ``group`` is referenced only by the caller (and this frame), waiting
+    with the GIL released so that a gloo thread can free its references; the caller's
+    reference then destroys it on the caller's thread. Gives up after ``timeout_s``
+    (the DDP module still alive, say)."""
+    deadline = time.monotonic() + timeout_s
+    while group is not None and sys.getrefcount(group) > 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 _HOOK_STATES: list[HookState] = []
 
 
 def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, predivide_factor: float = 1.0,
-         bucket_mb: float = 25, strategy: str = "allreduce", *, device_ids=None, process_group=None,
-         broadcast_buffers: bool = True, find_unused_parameters: bool = False,
+         bucket_mb: float = 25, strategy: str = "allreduce", *, powersgd_rank: int = 1, powersgd_start_iter: int = 2,
+         device_ids=None, process_group=None, broadcast_buffers: bool = True, find_unused_parameters: bool = False,
          static_graph: bool = False) -> DistributedDataParallel:
     """Wrap ``model`` in DistributedDataParallel with an mpfp16 communication hook.
 
@@ -223,15 +247,21 @@ def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, pre
             (apex's ``gradient_predivide_factor``). 1 sums first; world_size divides
             first, as DDP's default hook does.
         bucket_mb: DDP bucket size in MiB (apex's ``message_size``).
-        strategy: ``"allreduce"`` or ``"fp32_accumulate"`` (16-bit wire, fp32 sums;
-            see :mod:`mpfp16.comm`).
+        strategy: ``"allreduce"`` or ``"fp32_accumulate"`` (16-bit wire, fp32 sums);
+            or, for an fp32 model, one of torch's compression hooks as a baseline:
+            ``"fp16_compress"``, ``"bf16_compress"``, ``"powersgd"`` (see :mod:`mpfp16.comm`).
+        powersgd_rank: PowerSGD's ``matrix_approximation_rank``.
+        powersgd_start_iter: PowerSGD's ``start_powerSGD_iter``: optimizer steps of
+            plain allreduce before compression starts; at least 2, torch's minimum with
+            error feedback and warm start (both on).
         device_ids, process_group, broadcast_buffers, find_unused_parameters,
         static_graph: passed to DDP. BatchNorm buffers are broadcast from rank 0 at
             each forward when ``broadcast_buffers`` is True, as DDP does.
 
     Returns:
         The DDP module; its per-step communication figures are
-        ``comm_stats(ddp).pop_step()``.
+        ``comm_stats(ddp).pop_step()``, and the state a checkpoint must keep for an
+        exact resume (PowerSGD's) is ``comm_state_dict(ddp)``.
     """
     if not is_initialized():
         raise RuntimeError("wrap() needs torch.distributed: call mpfp16.distributed.init() under torchrun")
@@ -246,6 +276,7 @@ def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, pre
         raise ValueError(f"predivide_factor must be positive, got {predivide_factor}")
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    _check_torch_strategy(model, strategy, allreduce_dtype, predivide_factor, powersgd_rank, powersgd_start_iter)
     param = next(model.parameters(), None)
     if device_ids is None and param is not None and param.device.type == "cuda":
         device_ids = [param.device.index]
@@ -266,11 +297,53 @@ def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, pre
     )
     state = HookState(process_group=process_group, allreduce_dtype=allreduce_dtype,
                       predivide_factor=float(predivide_factor))
+    if strategy == "powersgd":
+        state.powersgd = _powersgd_memory(model, ddp, process_group, powersgd_rank, powersgd_start_iter,
+                                          rebuilds=static_graph or not find_unused_parameters)
     ddp.register_comm_hook(state, HOOKS[strategy])
-    ddp.register_forward_pre_hook(lambda module, args: state.stats.new_round())
+    ddp.register_forward_pre_hook(lambda module, args: state.new_round())
     ddp._mpfp16_hook_state = state
     _HOOK_STATES.append(state)
     return ddp
+
+
+def _check_torch_strategy(model: torch.nn.Module, strategy: str, allreduce_dtype, predivide_factor: float,
+                          powersgd_rank: int, powersgd_start_iter: int) -> None:
+    """torch's compression hooks are baselines for an fp32 model, with their own
+    wire dtype and division: refuse what they would ignore, in one line."""
+    if not (isinstance(powersgd_rank, int) and powersgd_rank >= 1):
+        raise ValueError(f"powersgd_rank must be an integer >= 1, got {powersgd_rank!r}")
+    if not (isinstance(powersgd_start_iter, int) and powersgd_start_iter >= 2):
+        raise ValueError(f"powersgd_start_iter must be an integer >= 2 (torch's minimum with error feedback and "
+                         f"warm start), got {powersgd_start_iter!r}")
+    if strategy != "powersgd" and (powersgd_rank, powersgd_start_iter) != (1, 2):
+        raise ValueError(f"powersgd_rank and powersgd_start_iter apply to strategy 'powersgd' only, not {strategy!r}")
+    if strategy not in TORCH_STRATEGIES:
+        return
+    half = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
+                   if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)})
+    if half:
+        raise ValueError(f"strategy {strategy!r} is torch's compression hook for an fp32 model, and this model's "
+                         f"gradients are already 16-bit ({', '.join(half)}): use strategy 'allreduce' or "
+                         "'fp32_accumulate'")
+    if allreduce_dtype is not None:
+        raise ValueError(f"strategy {strategy!r} decides its own wire dtype; leave allreduce_dtype unset")
+    if predivide_factor != 1:
+        raise ValueError(f"strategy {strategy!r} divides by world_size itself; leave predivide_factor at 1")
+
+
+def _powersgd_memory(model: torch.nn.Module, ddp: DistributedDataParallel, process_group, rank: int,
+                     start_iter: int, rebuilds: bool) -> PowerSGDMemory:
+    """torch's PowerSGDState (error feedback and warm start on, a fixed seed), kept
+    per parameter by :class:`mpfp16.powersgd.PowerSGDMemory`. DDP's buckets are final
+    once it has rebuilt them (``_has_rebuilt_buckets``, as torch's ZeRO hook reads
+    it), or from the start when it never rebuilds (unused parameters, no static graph)."""
+    torch_state = PowerSGDState(process_group, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter,
+                                use_error_feedback=True, warm_start=True, random_seed=RANDOM_SEED)
+    ddp_ref = weakref.ref(ddp)  # the hook state must not keep the DDP module alive (teardown)
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    return PowerSGDMemory(torch_state, params,
+                          lambda: not rebuilds or bool(getattr(ddp_ref(), "_has_rebuilt_buckets", False)))
 
 
 def broadcast_object(obj, src: int = 0):
@@ -292,6 +365,17 @@ def all_gather_object(obj) -> list:
     return gathered
 
 
+def gather_object(obj, dst: int = 0) -> list | None:
+    """Every rank's ``obj`` (picklable), in rank order, on rank ``dst``; None on the
+    others; ``[obj]`` when not distributed. Unlike :func:`all_gather_object`, only
+    ``dst`` receives, for objects as large as a model (PowerSGD's error feedback)."""
+    if not is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, gathered, dst=dst)
+    return gathered
+
+
 @torch.no_grad()
 def broadcast_buffers(model: torch.nn.Module, src: int = 0, process_group=None) -> None:
     """Give every rank ``src``'s buffers (BatchNorm statistics), as DDP does at the
@@ -306,6 +390,35 @@ def comm_stats(model: torch.nn.Module) -> CommStats | None:
     """The :class:`CommStats` of a model made by :func:`wrap`; None for any other."""
     state = getattr(model, "_mpfp16_hook_state", None)
     return state.stats if state is not None else None
+
+
+def comm_state_dict(model: torch.nn.Module) -> dict | None:
+    """This rank's communication-hook state that a checkpoint must keep for a resume
+    to continue bit-identically, as plain tensors (on CPU) and values: PowerSGD's
+    error feedback (which differs between ranks), Q memory, step count and random
+    state. None when the hook keeps no state (every other strategy) or ``model`` was
+    not made by :func:`wrap`. Call it between optimizer steps."""
+    state = getattr(model, "_mpfp16_hook_state", None)
+    return state.powersgd.state_dict() if state is not None and state.powersgd is not None else None
+
+
+def load_comm_state_dict(model: torch.nn.Module, saved: dict) -> str | None:
+    """Give ``model`` (made by :func:`wrap`) this rank's :func:`comm_state_dict` back,
+    before its first step.
+
+    Returns:
+        None when the run continues bit-identically; otherwise why not, in a few words
+        (another PowerSGD rank; a checkpoint taken after PowerSGD started, by a process
+        whose DDP buckets were not yet final, so that their layout is unknown).
+
+    Raises:
+        ValueError: one line, when the state is of other parameters or malformed, or
+            the model's hook keeps no state.
+    """
+    state = getattr(model, "_mpfp16_hook_state", None)
+    if state is None or state.powersgd is None:
+        raise ValueError("this model's communication hook keeps no state to load (only strategy 'powersgd' does)")
+    return state.powersgd.load_state_dict(saved)
 
 
 def sync_gradients(model: torch.nn.Module, sync: bool):

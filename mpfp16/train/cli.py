@@ -187,7 +187,12 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
     g.add_argument("--allreduce-dtype", choices=WIRE_DTYPES,
                    help="dtype of the gradient allreduce" + default("allreduce_dtype", "the parameters' dtype"))
     g.add_argument("--allreduce-strategy", choices=STRATEGIES,
-                   help="allreduce, or fp32_accumulate: 16-bit on the wire, fp32 sums" + default("allreduce_strategy"))
+                   help="allreduce; fp32_accumulate: 16-bit on the wire, fp32 sums; fp16_compress, bf16_compress, "
+                        "powersgd: torch's compression hooks, with --precision fp32" + default("allreduce_strategy"))
+    g.add_argument("--powersgd-rank", type=_positive_int, metavar="N",
+                   help="rank of PowerSGD's low-rank approximation" + default("powersgd_rank"))
+    g.add_argument("--powersgd-start-iter", type=_int_at_least(2), metavar="N",
+                   help="optimizer steps of plain allreduce before PowerSGD compresses" + default("powersgd_start_iter"))
     g.add_argument("--predivide-factor", type=_positive_float,
                    help="divide gradients by F before the allreduce and by world/F after" + default("predivide_factor"))
     g.add_argument("--bucket-mb", type=_positive_float, help="DDP bucket size in MiB" + default("bucket_mb"))

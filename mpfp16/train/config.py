@@ -15,7 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..comm import STRATEGIES
+from ..comm import STRATEGIES, TORCH_STRATEGIES
 from ..errors import UserError
 from ..rounding import ROUNDINGS
 from .schedule import SCHEDULES
@@ -106,6 +106,8 @@ class TrainConfig:
     # distributed
     allreduce_dtype: str | None = None
     allreduce_strategy: str = "allreduce"
+    powersgd_rank: int = 1  # PowerSGD's matrix_approximation_rank
+    powersgd_start_iter: int = 2  # optimizer steps of plain allreduce before PowerSGD compresses
     predivide_factor: float = 1.0
     bucket_mb: float = 25.0
     dist_backend: str | None = None
@@ -154,6 +156,7 @@ class TrainConfig:
         if self.allreduce_strategy == "fp32_accumulate" and self.allreduce_dtype is not None:
             raise ConfigError("--allreduce-strategy fp32_accumulate sends the parameters' own dtype; "
                               "drop --allreduce-dtype")
+        self._validate_compression()
         if self.rounding != "nearest" and self.master_weights:
             raise ConfigError(f"--rounding {self.rounding} needs --no-master-weights")
         if self.evaluate and self.resume is None:
@@ -162,6 +165,29 @@ class TrainConfig:
             raise ConfigError("--overwrite starts a new run in place of the old one; it cannot be combined with "
                               "--resume")
         return self
+
+    def _validate_compression(self) -> None:
+        """torch's compression hooks are baselines for an fp32 model: with 16-bit
+        gradients they would cast nothing, or compress what is already compressed. They
+        pick their own wire dtype and divide by the world size themselves."""
+        strategy = self.allreduce_strategy
+        for name, minimum in (("powersgd_rank", 1), ("powersgd_start_iter", 2)):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= minimum):
+                raise ConfigError(f"{_flag(name)} must be an integer >= {minimum}, got {value!r}")
+            if strategy != "powersgd" and value != _default(name):
+                raise ConfigError(f"{_flag(name)} applies to --allreduce-strategy powersgd only, not {strategy}")
+        if strategy not in TORCH_STRATEGIES:
+            return
+        if self.precision != "fp32":
+            raise ConfigError(f"--allreduce-strategy {strategy} is torch's compression hook for an fp32 model and "
+                              f"needs --precision fp32; with --precision {self.precision} the gradients are already "
+                              "16-bit: use --allreduce-strategy allreduce or fp32_accumulate")
+        if self.allreduce_dtype is not None:
+            raise ConfigError(f"--allreduce-strategy {strategy} decides its own wire dtype; drop --allreduce-dtype")
+        if self.predivide_factor != 1:
+            raise ConfigError(f"--allreduce-strategy {strategy} divides by the world size itself; drop "
+                              "--predivide-factor")
 
     def changed_on_resume(self, saved: dict) -> list[tuple[str, object, object]]:
         """(name, saved value, value now) for each setting whose change would make a
@@ -188,6 +214,10 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _default(name: str):
+    return next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name)
+
+
 def default_text(task: str, name: str) -> str:
     """The default of setting ``name`` for ``task`` as ``--help`` shows it: one value,
     or the values on real and on embedded data when they differ."""
@@ -203,4 +233,4 @@ def default_text(task: str, name: str) -> str:
         return show(real) if real == embedded else f"{show(real)}; {show(embedded)} on the embedded data"
     if name in TASK_DEFAULTS[task]:
         return show(TASK_DEFAULTS[task][name])
-    return show(next(f.default for f in dataclasses.fields(TrainConfig) if f.name == name))
+    return show(_default(name))

@@ -257,7 +257,8 @@ class Trainer:
         cfg = self.cfg
         return mdist.wrap(self.model, allreduce_dtype=TORCH_DTYPES.get(cfg.allreduce_dtype),
                           predivide_factor=cfg.predivide_factor, bucket_mb=cfg.bucket_mb,
-                          strategy=cfg.allreduce_strategy)
+                          strategy=cfg.allreduce_strategy, powersgd_rank=cfg.powersgd_rank,
+                          powersgd_start_iter=cfg.powersgd_start_iter)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -347,8 +348,35 @@ class Trainer:
         rngs = ckpt["rng"]
         if len(rngs) == self.info.world_size:
             ckpt_io.set_rng_state(rngs[self.info.rank])
+        self._load_comm_state(path, ckpt, changes)
         if changes:
             self._apply_changed_settings(saved_cfg, fresh_groups)
+
+    def _load_comm_state(self, path: str, ckpt: dict, changes: list) -> None:
+        """Give the communication hook its state back (PowerSGD's, one entry per rank):
+        without it, a resumed PowerSGD run would restart its error feedback and draw new
+        Q's, and differ from an uninterrupted one. A resume that cannot continue it
+        exactly is refused unless --allow-changed-config, like a changed setting."""
+        if self.cfg.evaluate or self.ddp is self.model or mdist.comm_state_dict(self.ddp) is None:
+            return  # no training, one process, or a strategy without state
+        saved = ckpt.get("comm")
+        if not (isinstance(saved, list) and len(saved) == self.info.world_size and isinstance(saved[0], dict)):
+            if not changes:  # a changed strategy or process count was already named
+                raise CheckpointError(f"checkpoint {path} holds no {self.cfg.allreduce_strategy} state for "
+                                      f"{self.info.world_size} processes")
+            logger.warning("%s: no %s state for %d processes in the checkpoint; it starts afresh", path,
+                           self.cfg.allreduce_strategy, self.info.world_size)
+            return
+        try:
+            inexact = mdist.load_comm_state_dict(self.ddp, saved[self.info.rank])
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {path}: {one_line(exc)}") from None
+        if inexact and not self.cfg.allow_changed_config:
+            raise CheckpointError(f"checkpoint {path} cannot be resumed bit-identically: {inexact}; resume from "
+                                  "another checkpoint, or pass --allow-changed-config to continue anyway")
+        if inexact:
+            logger.warning("resuming %s: %s; the run is no longer bit-identical to an uninterrupted one", path,
+                           inexact)
 
     def _apply_changed_settings(self, saved_cfg: dict, fresh_groups: list[dict]) -> None:
         """With --allow-changed-config: the new optimizer settings and lr replace the
@@ -379,6 +407,7 @@ class Trainer:
 
     def _checkpoint(self) -> dict:
         rng = mdist.all_gather_object(ckpt_io.rng_state())
+        comm = mdist.comm_state_dict(self.ddp) if self.ddp is not self.model else None
         return {
             "format": CHECKPOINT_FORMAT,
             "model": self.model.state_dict(),
@@ -393,6 +422,8 @@ class Trainer:
             "elapsed": self.elapsed(),
             "config": self.cfg.as_dict(),
             "run": self._run_facts(),
+            # Every rank's communication-hook state (PowerSGD's error feedback differs between them).
+            **({"comm": mdist.gather_object(comm)} if comm is not None else {}),
         }
 
     def save(self, best: bool = False) -> None:

@@ -1,0 +1,273 @@
+"""torch's DDP compression hooks as allreduce strategies (fp16_compress, bf16_compress,
+powersgd): the same weights as plain DDP with torch's hook, mpfp16's accounting, the
+refusals, exact resume of PowerSGD, and the accuracy benchmark."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import compression_workers as CW
+import mpfp16
+import mpfp16.distributed as mdist
+import train_cifar
+import train_imagenet
+from dist_helpers import free_port, run_workers
+from dist_workers import mlp
+from mpfp16.bench import compression as bench
+from mpfp16.train.config import ConfigError, TrainConfig
+from run_helpers import assert_same_final_state, records, run_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 6
+# The MLP of dist_workers: Linear(8, 32) and Linear(32, 4), 420 parameters.
+NUMEL = 8 * 32 + 32 + 32 * 4 + 4
+# PowerSGD's elements on the wire once it compresses, per torch's rule (compress an n x m
+# matrix when (n + m) * rank * 2 < n * m). Rank 1: both weights, 40 + 36, and the
+# biases as they are, 32 + 4. Rank 2: the 32 x 8 weight, 80; the 4 x 32 one stays
+# whole (72 * 2 > 128), 128; the biases, 36.
+POWERSGD_NUMEL = {1: 40 + 36 + 32 + 4, 2: 80 + 128 + 32 + 4}
+slow = pytest.mark.slow
+
+
+# ----------------------------------------------------------------- against torch's own hooks
+
+
+@slow
+@pytest.mark.parametrize("strategy,rank", [("fp16_compress", 1), ("bf16_compress", 1), ("powersgd", 1),
+                                           ("powersgd", 2)], ids=["fp16", "bf16", "powersgd-r1", "powersgd-r2"])
+def test_the_weights_are_torchs_own_hooks_bit_for_bit(tmp_path, strategy, rank):
+    r0, r1 = run_workers(CW.against_torch, tmp_path, args=(strategy, rank, STEPS, 25))
+    for r in (r0, r1):
+        assert torch.equal(r["mpfp16"], r["reference"])
+    assert torch.equal(r0["mpfp16"], r1["mpfp16"])
+    assert not torch.equal(r0["mpfp16"], CW.flat_params(mlp()))  # it trained
+    if strategy == "powersgd":  # whole fp32 buckets for start_powerSGD_iter (2) steps, then P, Q and the rest
+        expected = [NUMEL * 4] * 2 + [POWERSGD_NUMEL[rank] * 4] * (STEPS - 2)
+        wire = "float32"
+    else:
+        expected, wire = [NUMEL * 2] * STEPS, strategy[:4].replace("fp", "float").replace("bf", "bfloat")
+    assert [s["allreduce_bytes"] for s in r0["stats"]] == expected
+    assert all(s["allreduce_calls"] == 1 and s["allreduce_bytes_by_dtype"] == {wire: b}
+               for s, b in zip(r0["stats"], expected))
+    assert all(s["allreduce_time_s"] >= s["allreduce_wait_s"] >= 0 for s in r0["stats"])
+    assert r0["threads"] == ["MainThread"]  # teardown left no thread behind
+
+
+@slow
+def test_powersgd_with_several_buckets_matches_torchs_hook_one_bucket_at_a_time(tmp_path):
+    """Two buckets after DDP's rebuild: the reference runs torch's hook with no mpfp16,
+    each bucket after the previous one's result (torch's hook alone can hang there)."""
+    r0, r1 = run_workers(CW.against_torch, tmp_path, args=("powersgd", 1, STEPS, 0.0003, True))
+    assert torch.equal(r0["mpfp16"], r0["reference"]) and torch.equal(r1["mpfp16"], r1["reference"])
+    assert [s["allreduce_calls"] for s in r0["stats"]] == [1] + [2] * (STEPS - 1)
+    assert [s["allreduce_bytes"] for s in r0["stats"]][2:] == [POWERSGD_NUMEL[1] * 4] * (STEPS - 2)
+
+
+# ----------------------------------------------------------------- exact resume of PowerSGD
+
+
+@slow
+@pytest.mark.parametrize("arch,stops,bucket_mb", [
+    ("resnet9-w8", (2, 4), 25),      # at its first compressed step, then warm; one bucket
+    ("resnet9-w8", (3,), 0.1),       # several buckets after DDP's rebuild
+    ("mlp", (1, 5), 0.0003),         # before compression starts, then warm
+], ids=["resnet-one-bucket", "resnet-several-buckets", "mlp"])
+def test_powersgd_resumes_bit_identically(tmp_path, arch, stops, bucket_mb):
+    """A new DDP module puts every parameter in one bucket, in definition order, for its
+    first step: the state and the arithmetic must follow the recorded layout."""
+    r0, r1 = run_workers(CW.powersgd_resume, tmp_path, args=(stops, 7, arch, bucket_mb), timeout=240)
+    for r in (r0, r1):
+        assert torch.equal(r["resumed"], r["straight"])
+        assert r["reasons"] == [None] * len(stops)
+    final = r0["layouts"][-1]
+    assert final and [n for bucket in final for n in bucket] != r0["definition_order"]  # the layouts differ
+
+
+@slow
+def test_a_powersgd_state_saved_before_ddp_rebuilt_says_it_cannot_resume_exactly(tmp_path):
+    """Stopped after 1 step, resumed for 1 (DDP never rebuilt), saved at the first
+    compressed step: the layout its Q's are drawn in is unknown."""
+    r0, _ = run_workers(CW.powersgd_resume, tmp_path, args=((1, 2), 4, "mlp"))
+    assert r0["reasons"][0] is None
+    assert r0["reasons"][1].startswith("PowerSGD had started and the process that saved it had not yet rebuilt")
+
+
+# ----------------------------------------------------------------- refusals
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        mdist.teardown()
+
+
+@pytest.mark.parametrize("model,kw,message", [
+    ("fp16", {"strategy": "fp16_compress"}, "strategy 'fp16_compress' is torch's compression hook for an fp32 model, "
+     "and this model's gradients are already 16-bit (float16): use strategy 'allreduce' or 'fp32_accumulate'"),
+    ("bf16", {"strategy": "powersgd"}, "gradients are already 16-bit (bfloat16)"),
+    ("fp32", {"strategy": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be an integer >= 1, got 0"),
+    ("fp32", {"strategy": "powersgd", "powersgd_start_iter": 1}, "powersgd_start_iter must be an integer >= 2"),
+    ("fp32", {"strategy": "allreduce", "powersgd_rank": 4}, "apply to strategy 'powersgd' only, not 'allreduce'"),
+    ("fp32", {"strategy": "bf16_compress", "allreduce_dtype": torch.float32},
+     "strategy 'bf16_compress' decides its own wire dtype; leave allreduce_dtype unset"),
+    ("fp32", {"strategy": "fp16_compress", "predivide_factor": 2.0}, "leave predivide_factor at 1"),
+], ids=["fp16-model", "bf16-model", "rank", "start-iter", "rank-without-powersgd", "wire-dtype", "predivide"])
+def test_wrap_refuses_in_one_line(one_process_group, model, kw, message):
+    net = mlp()
+    if model != "fp32":
+        mpfp16.to_half(net, torch.float16 if model == "fp16" else torch.bfloat16)
+    with pytest.raises(ValueError) as err:
+        mdist.wrap(net, **kw)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_comm_state_of_other_strategies(one_process_group):
+    ddp = mdist.wrap(mlp(), strategy="fp16_compress")
+    assert mdist.comm_state_dict(ddp) is None
+    with pytest.raises(ValueError, match="keeps no state to load"):
+        mdist.load_comm_state_dict(ddp, {})
+    ddp = mdist.wrap(mlp(), strategy="powersgd")
+    state = mdist.comm_state_dict(ddp)
+    assert state["iter"] == 0 and state["error"] == {} and state["rng"]["keys"].dtype == torch.int64
+    bad = {**state, "error": {"nope.weight": torch.zeros(1)}}
+    with pytest.raises(ValueError, match=r"the PowerSGD state is of other parameters \(first: nope.weight\)"):
+        mdist.load_comm_state_dict(ddp, bad)
+    del ddp
+
+
+# ----------------------------------------------------------------- the scripts
+
+
+@pytest.mark.parametrize("main", [train_cifar.main, train_imagenet.main], ids=["cifar", "imagenet"])
+def test_help_lists_the_strategies_and_powersgd_settings(main, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "{allreduce,fp32_accumulate,fp16_compress,bf16_compress,powersgd}" in text
+    assert "fp16_compress, bf16_compress, powersgd: torch's compression hooks, with --precision fp32" in text
+    assert "--powersgd-rank N rank of PowerSGD's low-rank approximation (default: 1)" in text
+    assert "--powersgd-start-iter N optimizer steps of plain allreduce before PowerSGD compresses (default: 2)" in text
+    distributed = text[text.index("distributed:"):text.index("checkpoints and logs:")]
+    assert "--powersgd-rank" in distributed and "--powersgd-start-iter" in distributed
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(allreduce_strategy="fp16_compress"), "--allreduce-strategy fp16_compress is torch's compression hook for "
+     "an fp32 model and needs --precision fp32; with --precision fp16 the gradients are already 16-bit: use "
+     "--allreduce-strategy allreduce or fp32_accumulate"),
+    (dict(allreduce_strategy="powersgd", precision="bf16"), "needs --precision fp32; with --precision bf16"),
+    (dict(allreduce_strategy="bf16_compress", precision="fp32", allreduce_dtype="fp16"), "drop --allreduce-dtype"),
+    (dict(allreduce_strategy="powersgd", precision="fp32", predivide_factor=2.0), "drop --predivide-factor"),
+    (dict(powersgd_rank=2), "--powersgd-rank applies to --allreduce-strategy powersgd only, not allreduce"),
+    (dict(allreduce_strategy="powersgd", precision="fp32", powersgd_start_iter=1),
+     "--powersgd-start-iter must be an integer >= 2, got 1"),
+], ids=["fp16", "bf16", "wire-dtype", "predivide", "rank-without-powersgd", "start-iter"])
+def test_config_refuses_compression_that_does_not_fit(kw, message):
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(task="cifar", **kw).validate()
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_script_refuses_fp16_compress_of_an_fp16_model_in_one_line(capsys):
+    status, err = run_main(train_cifar.main, ["--precision", "fp16", "--allreduce-strategy", "fp16_compress"], capsys)
+    assert status == 2
+    assert err.strip().splitlines()[-1].endswith(  # argparse's usage, then one line
+        ": error: --allreduce-strategy fp16_compress is torch's compression hook for an fp32 model "
+        "and needs --precision fp32; with --precision fp16 the gradients are already 16-bit: use "
+        "--allreduce-strategy allreduce or fp32_accumulate")
+
+
+TINY = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1", "--precision", "fp32"]
+
+
+@pytest.mark.parametrize("changed,listed", [
+    (["--allreduce-strategy", "powersgd", "--powersgd-rank", "2"], "powersgd_rank 1 -> 2"),
+    (["--allreduce-strategy", "powersgd", "--powersgd-start-iter", "5"], "powersgd_start_iter 2 -> 5"),
+    (["--allreduce-strategy", "fp16_compress"], "allreduce_strategy powersgd -> fp16_compress"),
+], ids=["rank", "start-iter", "strategy"])
+def test_a_resume_that_changes_the_compression_is_refused(cifar_root, tmp_path, capsys, changed, listed):
+    common = [cifar_root, *TINY, "--checkpoint-dir", str(tmp_path)]
+    assert run_main(train_cifar.main, common + ["--max-steps", "2", "--allreduce-strategy", "powersgd"],
+                    capsys)[0] == 0
+    status, err = run_main(train_cifar.main, common + ["--max-steps", "3", "--resume", "auto", *changed], capsys)
+    assert status == 2 and err == (f"error: checkpoint {tmp_path / 'last.pt'} was saved with other settings "
+                                   f"({listed}): resume with the same ones, or pass --allow-changed-config to "
+                                   "continue anyway, no longer bit-identically\n")
+
+
+def torchrun(args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "train_cifar.py", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@slow
+def test_a_powersgd_run_resumed_twice_under_torchrun_is_bit_identical(cifar_root, tmp_path):
+    """8 steps straight == 2 (PowerSGD's first compressed step comes next), 3 more, 3
+    more; several DDP buckets (--bucket-mb 0.05), an epoch boundary at step 6."""
+    common = [cifar_root, *TINY, "--epochs", "3", "--allreduce-strategy", "powersgd", "--powersgd-rank", "2",
+              "--bucket-mb", "0.05"]
+    straight, parts = tmp_path / "straight", tmp_path / "parts"
+    proc = torchrun(common + ["--max-steps", "8", "--checkpoint-dir", str(straight)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for steps, resume in (("2", []), ("5", ["--resume", "auto"]), ("8", ["--resume", "auto"])):
+        proc = torchrun(common + ["--max-steps", steps, "--checkpoint-dir", str(parts), *resume])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_final_state(straight / "last.pt", parts / "last.pt")
+    ckpt = torch.load(parts / "last.pt", weights_only=True)
+    ranks = ckpt["comm"]
+    assert len(ranks) == 2 and len(ranks[0]["layout"]) >= 2 and ranks[0]["iter"] == 8
+    assert any(not torch.equal(ranks[0]["error"][name], ranks[1]["error"][name]) for name in ranks[0]["error"])
+    sent = [r["allreduce_bytes"] for r in records(straight / "metrics.jsonl") if r["type"] == "train"]
+    from mpfp16.train import models
+
+    numel = sum(p.numel() for p in models.build_cifar_model("resnet9-w4", 10).parameters())
+    assert sent[:2] == [4 * numel] * 2 and all(b < numel for b in sent[2:])  # fp32, then compressed
+
+
+# ----------------------------------------------------------------- the benchmark
+
+
+@slow
+def test_the_compression_benchmark_runs_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "compression.json"
+    assert bench.main(["--steps", "5", "--seeds", "0", "--methods", "fp32,powersgd-r1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [m["method"] for m in result["methods"]] == ["fp32", "powersgd-r1"]
+    assert [(r["method"], r["seed"]) for r in result["runs"]] == [("fp32", 0), ("powersgd-r1", 0)]
+    fp32, powersgd = result["methods"]
+    assert fp32["payload_bytes"] == 103944 * 4  # resnet9-w8's parameters, in fp32
+    assert 0 < powersgd["payload_bytes"] < fp32["payload_bytes"] / 4
+    assert all(0 <= m["val_acc1"] <= 100 and m["val_loss"] > 0 and m["val_acc1_spread"] == 0 for m in result["methods"])
+    assert "method           payload MB/step      val acc1 %" in printed
+    assert "mean ± half the range over seeds, (max - min) / 2" in printed
+
+
+def test_the_benchmark_refuses_bad_flags_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--methods", "fp32,zip"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "argument --methods: unknown 'zip'; choose from " + ", ".join(bench.METHODS))
+
+
+@slow
+def test_a_failed_run_stops_the_benchmark_with_one_line(capsys, monkeypatch):
+    monkeypatch.setitem(bench.METHODS, "fp32", ["--precision", "fp16", "--allreduce-strategy", "bf16_compress"])
+    assert bench.main(["--steps", "1", "--seeds", "3", "--methods", "fp32"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("error: fp32 seed 3 failed (exit status 1): train_cifar.py: error: --allreduce-strategy "
+                          "bf16_compress is torch's compression hook for an fp32 model")
