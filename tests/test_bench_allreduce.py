@@ -110,3 +110,27 @@ def test_refuses_to_run_alone(capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert bench.main(["--sizes", "4K"]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_step_view_compares_torch_compression_hooks_and_picks_modes(tmp_path):
+    """torch's hooks on the fp32 model beside it, only the modes asked for: the fp16
+    and bf16 hooks send half the fp32 bytes; PowerSGD sends less than either once its
+    plain-allreduce start (2 steps, inside the warm-up) is over."""
+    proc = torchrun(["--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "2", "--accum", "1",
+                     "--steps", "1", "--modes", "sync", "--setups",
+                     "fp32,fp32-fp16-compress,fp32-bf16-compress,fp32-powersgd-r1", "--json", "hooks.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["key"]: r for r in json.loads((tmp_path / "hooks.json").read_text())["rows"]}
+    assert all(r["processes"] == 2 and r["no_sync"] is False for r in rows.values())  # no 1-process row
+    fp32 = rows["fp32"]["bytes_per_step"]
+    assert rows["fp32-fp16-compress"]["bytes_per_step"] == fp32 / 2
+    assert rows["fp32-bf16-compress"]["bytes_per_step"] == fp32 / 2
+    assert 0 < rows["fp32-powersgd-r1"]["bytes_per_step"] < fp32 / 2
+
+
+def test_wire_iface_that_does_not_exist_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--wire-iface", "no-such-nic0"])
+    assert exc.value.code == 2
+    assert "no network interface 'no-such-nic0'" in capsys.readouterr().err

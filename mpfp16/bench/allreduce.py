@@ -44,6 +44,7 @@ import torch.nn as nn
 from .. import comm
 from .. import distributed as mdist
 from ..train.gpt import GPT_SIZES, build_gpt, next_token_loss
+from .links import LinkError, WireCounter
 from .timing import time_call
 
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -116,37 +117,58 @@ def sweep_methods(count: int, dtypes: list[str], strategies: list[str], device: 
     return methods
 
 
+def max_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def sweep(sizes: list[int], dtypes: list[str], strategies: list[str], iters: int, warmup: int,
-          device: torch.device) -> list[dict]:
+          device: torch.device, wire: WireCounter | None = None) -> list[dict]:
+    """The sweep's rows. With ``wire``, each row also has ``wire_bytes``: the bytes the
+    busiest node sent on its interface per call (median), headers and the timing's
+    barrier and all-reduce of one number (a few hundred bytes) included."""
     world = dist.get_world_size()
     rows = []
     for size in sizes:
         count = size // 4
         methods = sweep_methods(count, dtypes, strategies, device)
         times = {name: [] for name in methods}
+        sent = {name: [] for name in methods}
         for i in range(warmup + iters):
             for name, (fn, _) in methods.items():
+                before = wire.read() if wire is not None else 0
                 t = timed(fn, device)
+                if wire is not None:
+                    # read after timed()'s closing all-reduce: by then the peer has received
+                    # everything, so nothing of this call still waits in the qdisc uncounted
+                    sent[name].append(wire.read() - before)
                 if i >= warmup:
                     times[name].append(t)
-        for name, (_, wire) in methods.items():
+        for name, (_, wire_dtype) in methods.items():
             seconds = statistics.median(times[name])
-            nbytes = count * wire.itemsize
+            nbytes = count * wire_dtype.itemsize
             algbw, busbw = bandwidths(nbytes, seconds, world)
-            rows.append({"size_bytes": nbytes, "count": count, "dtype": name, "time_us": seconds * 1e6,
-                         "algbw_gbps": algbw, "busbw_gbps": busbw})
+            row = {"size_bytes": nbytes, "count": count, "dtype": name, "time_us": seconds * 1e6,
+                   "algbw_gbps": algbw, "busbw_gbps": busbw}
+            if wire is not None:
+                row["wire_bytes"] = max_over_ranks(statistics.median(sent[name][warmup:]), device)
+            rows.append(row)
         del methods
     return rows
 
 
 def sweep_table(rows: list[dict]) -> str:
     """nccl-tests-like table, then each type's time relative to fp32 at equal count."""
-    lines = [f"{'size':>12} {'count':>12} {'type':>10} {'time_us':>11} {'algbw':>8} {'busbw':>8}   {'vs fp32':>7}"]
+    wired = any("wire_bytes" in r for r in rows)
+    lines = [f"{'size':>12} {'count':>12} {'type':>10} {'time_us':>11} {'algbw':>8} {'busbw':>8}   {'vs fp32':>7}"
+             + (f" {'wire_bytes':>12}" if wired else "")]
     fp32 = {r["count"]: r["time_us"] for r in rows if r["dtype"] == "fp32"}
     for r in rows:
         ratio = f"{r['time_us'] / fp32[r['count']]:7.2f}" if r["count"] in fp32 else "      -"
         lines.append(f"{r['size_bytes']:>12} {r['count']:>12} {r['dtype']:>10} {r['time_us']:>11.1f} "
-                     f"{r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f}   {ratio}")
+                     f"{r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f}   {ratio}"
+                     + (f" {r.get('wire_bytes', 0):>12.0f}" if wired else ""))
     return "\n".join(lines)
 
 
@@ -191,7 +213,14 @@ SETUPS = {  # key: (name, model precision, wrap() arguments)
     "fp16": ("fp16, fp16 allreduce", "fp16", {}),
     "fp16-fp32-allreduce": ("fp16, fp32 allreduce", "fp16", {"allreduce_dtype": torch.float32}),
     "fp16-fp32-accumulate": ("fp16, fp32-accumulate", "fp16", {"strategy": "fp32_accumulate"}),
+    # torch's own compression hooks, on an fp32 model: the baselines users already have
+    "fp32-fp16-compress": ("fp32, fp16_compress_hook", "fp32", {"strategy": "fp16_compress"}),
+    "fp32-bf16-compress": ("fp32, bf16_compress_hook", "fp32", {"strategy": "bf16_compress"}),
+    "fp32-powersgd-r1": ("fp32, PowerSGD rank 1", "fp32", {"strategy": "powersgd", "powersgd_rank": 1}),
+    "fp32-powersgd-r4": ("fp32, PowerSGD rank 4", "fp32", {"strategy": "powersgd", "powersgd_rank": 4}),
 }
+DEFAULT_SETUPS = ("fp32", "fp16", "fp16-fp32-allreduce", "fp16-fp32-accumulate")
+MODES = ("single", "sync", "no_sync")  # 1 process; an allreduce every micro-batch; no_sync but the last
 
 
 def model_names() -> list[str]:
@@ -248,19 +277,21 @@ def _steps(net, opt, loss, accum: int, steps: int, sync_every_micro: bool, stats
 
 
 def _warm_up(net, opt, loss, accum: int, sync_every_micro: bool, stats) -> None:
-    """Steps until one is not skipped, at most 25: the dynamic loss scale backs off
-    from its initial 2^16 (by half per skipped step) until the gradients fit, so that
-    the timed steps are real steps, not skips."""
-    for _ in range(25):
+    """At least 2 steps (PowerSGD runs a plain allreduce on its first backward pass,
+    the fused step compiles at its first), then steps until one is not skipped, at
+    most 25: the dynamic loss scale backs off from its initial 2^16 (by half per
+    skipped step) until the gradients fit, so that the timed steps are real steps,
+    not skips."""
+    for i in range(25):
         skipped = opt.skipped_steps
         _steps(net, opt, loss, accum, 1, sync_every_micro, stats)
-        if opt.skipped_steps == skipped:
+        if opt.skipped_steps == skipped and i >= 1:
             return
     print(f"warning: every warm-up step was skipped (loss scale now {opt.loss_scale:g}); the timed steps may be "
           "skips too", file=sys.stderr)
 
 
-def model_view(args, info: mdist.DistInfo) -> list[dict]:
+def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> list[dict]:
     device, world = info.device, info.world_size
     make_model, loss = _workload(args, info.rank, device)
     rows = []
@@ -268,50 +299,66 @@ def model_view(args, info: mdist.DistInfo) -> list[dict]:
         name, precision, wrap_kw = SETUPS[key]
         micro = args.accum * args.steps
         # One process: rank 0 alone (its overflow decisions must not wait for the
-        # others), while the other ranks wait at the broadcast.
+        # others), while the other ranks wait at the broadcast. Its loss scale is the
+        # other modes' starting point, so it warms up even when its row is not asked for.
         single = torch.zeros(2, dtype=torch.float64, device=device)  # rate, the loss scale it settled on
-        if info.rank == 0:
+        if info.rank == 0 and ("single" in args.modes or precision == "fp16"):
             model, opt = _build(make_model, precision, device)
             opt.reduce_overflow = False
             _warm_up(model, opt, loss, args.accum, True, None)
-            seconds, _ = _steps(model, opt, loss, args.accum, args.steps, True, None)
-            single[0], single[1] = micro / seconds, opt.loss_scale
+            if "single" in args.modes:
+                seconds, _ = _steps(model, opt, loss, args.accum, args.steps, True, None)
+                single[0] = micro / seconds
+            single[1] = opt.loss_scale
             del model, opt
         dist.broadcast(single, src=0)
         # The same on every rank, starting from the settled scale.
         model, opt = _build(make_model, precision, device, init_scale=float(single[1]))
         ddp = mdist.wrap(model, bucket_mb=args.bucket_mb, **wrap_kw)
         stats = mdist.comm_stats(ddp)
-        rows.append({"setup": name, "processes": 1, "no_sync": None, "its_per_s": float(single[0]),
-                     "bytes_per_step": 0, "calls_per_step": 0, "comm_ms": 0.0, "exposed_ms": 0.0, "skipped": None})
-        for no_sync in (False, True):
+        if "single" in args.modes:
+            rows.append({"setup": name, "key": key, "processes": 1, "no_sync": None, "its_per_s": float(single[0]),
+                         "bytes_per_step": 0, "calls_per_step": 0, "comm_ms": 0.0, "exposed_ms": 0.0,
+                         "skipped": None})
+        for no_sync in [mode == "no_sync" for mode in args.modes if mode != "single"]:
             _warm_up(ddp, opt, loss, args.accum, not no_sync, stats)
             dist.barrier()
             skipped = opt.skipped_steps
+            before = wire.read() if wire is not None else 0
             seconds, per_step = _steps(ddp, opt, loss, args.accum, args.steps, not no_sync, stats)
+            dist.barrier()  # the peer has received everything: nothing sent still waits in a queue uncounted
+            sent = wire.read() - before if wire is not None else 0
             rate = torch.tensor([micro / seconds], dtype=torch.float64, device=device)
             dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # the slowest rank sets the pace
-            rows.append({
-                "setup": name, "processes": world, "no_sync": no_sync, "its_per_s": float(rate),
+            row = {
+                "setup": name, "key": key, "processes": world, "no_sync": no_sync, "its_per_s": float(rate),
                 "bytes_per_step": statistics.median(s["allreduce_bytes"] for s in per_step),
                 "calls_per_step": statistics.median(s["allreduce_calls"] for s in per_step),
                 "comm_ms": 1e3 * statistics.median(s["allreduce_time_s"] for s in per_step),
                 "exposed_ms": 1e3 * statistics.median(s["allreduce_wait_s"] for s in per_step),
                 "skipped": opt.skipped_steps - skipped,
-            })
+            }
+            if wire is not None:  # everything this node sent during the timed steps, per step
+                row["wire_bytes_per_step"] = max_over_ranks(sent / args.steps, device)
+            rows.append(row)
         del ddp, model, opt
     return rows
 
 
 def model_table(rows: list[dict]) -> str:
-    lines = [f"{'setup':<24}{'procs':>6}{'no_sync':>9}{'it/s/rank':>11}{'MB/step':>10}{'calls':>7}"
-             f"{'comm_ms':>9}{'exposed_ms':>11}{'skipped':>9}"]
+    """One line per row; ``wire MB`` (what the busiest node sent on its interface per
+    step) when the rows were measured with ``--wire-iface``."""
+    wired = any("wire_bytes_per_step" in r for r in rows)
+    lines = [f"{'setup':<26}{'procs':>6}{'no_sync':>9}{'it/s/rank':>11}{'MB/step':>10}{'calls':>7}"
+             f"{'comm_ms':>9}{'exposed_ms':>11}{'skipped':>9}" + (f"{'wire MB':>9}" if wired else "")]
     for r in rows:
         ns = "-" if r["no_sync"] is None else ("yes" if r["no_sync"] else "no")
         skipped = "-" if r["skipped"] is None else str(r["skipped"])
-        lines.append(f"{r['setup']:<24}{r['processes']:>6}{ns:>9}{r['its_per_s']:>11.2f}"
+        wire = r.get("wire_bytes_per_step")
+        lines.append(f"{r['setup']:<26}{r['processes']:>6}{ns:>9}{r['its_per_s']:>11.2f}"
                      f"{r['bytes_per_step'] / 1e6:>10.2f}{r['calls_per_step']:>7.0f}{r['comm_ms']:>9.1f}"
-                     f"{r['exposed_ms']:>11.1f}{skipped:>9}")
+                     f"{r['exposed_ms']:>11.1f}{skipped:>9}"
+                     + ((f"{wire / 1e6:>9.2f}" if wire is not None else f"{'-':>9}") if wired else ""))
     return "\n".join(lines)
 
 
@@ -325,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32 message sizes, K/M/G binary suffixes (default: 4K,64K,1M,4M,16M,64M,128M)")
     p.add_argument("--dtypes", type=parse_list(list(DTYPES)), default="fp32,fp16,bf16",
                    help="types to compare (default: fp32,fp16,bf16)")
-    p.add_argument("--strategies", type=parse_list(list(comm.STRATEGIES)), default="allreduce,fp32_accumulate",
+    p.add_argument("--strategies", type=parse_list(list(comm.MPFP16_STRATEGIES)), default="allreduce,fp32_accumulate",
                    help="16-bit strategies (default: allreduce,fp32_accumulate)")
     p.add_argument("--iters", type=int, default=10, help="timed rounds (default: 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
@@ -334,14 +381,20 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training-step view")
     g.add_argument("--model", default=None, help="measure this model's training steps instead of the sweep: "
                                                  "a GPT size (imagegpt-s, gpt2) or a torchvision model (default: none)")
-    g.add_argument("--setups", type=parse_list(list(SETUPS)), default=",".join(SETUPS),
-                   help=f"which set-ups, in order (default: {','.join(SETUPS)})")
+    g.add_argument("--setups", type=parse_list(list(SETUPS)), default=",".join(DEFAULT_SETUPS),
+                   help=f"which set-ups, in order, of {', '.join(SETUPS)} (default: {','.join(DEFAULT_SETUPS)})")
+    g.add_argument("--modes", type=parse_list(list(MODES)), default=",".join(MODES),
+                   help="single: 1 process; sync: an allreduce every micro-batch; no_sync: on the last only "
+                        f"(default: {','.join(MODES)})")
     g.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step (default: 4)")
     g.add_argument("--steps", type=int, default=3, help="timed optimizer steps per set-up (default: 3)")
     g.add_argument("--batch-size", type=int, default=8, help="images or sequences per micro-batch (default: 8)")
     g.add_argument("--image-size", type=int, default=64, help="image side, torchvision models (default: 64)")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence, GPT sizes (default: 64)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (default: 25)")
+    p.add_argument("--wire-iface", default=None, metavar="IFACE",
+                   help="also count the bytes this node sends on network interface IFACE (sysfs counters), "
+                        "as mpfp16.bench.netem does on its emulated link (default: none)")
     p.add_argument("--dist-backend", choices=mdist.BACKENDS, default=None,
                    help="process group backend (default: nccl on GPU, gloo on CPU)")
     return p
@@ -360,6 +413,10 @@ def main(argv=None) -> int:
     if args.model is not None:
         if args.model in GPT_SIZES and args.seq_len > GPT_SIZES[args.model]["seq_len"]:
             parser.error(f"--seq-len {args.seq_len}: {args.model} has {GPT_SIZES[args.model]['seq_len']} positions")
+    try:
+        wire = WireCounter(args.wire_iface) if args.wire_iface else None
+    except LinkError as exc:
+        parser.error(str(exc))
     info = mdist.init(backend=args.dist_backend)
     if not info.distributed or info.world_size < 2:
         print("error: run this under torchrun with 2 or more processes, e.g. "
@@ -369,11 +426,11 @@ def main(argv=None) -> int:
     try:
         header = f"# {info.world_size} ranks, backend {info.backend}, device {info.device.type}"
         if args.model is None:
-            rows = sweep(args.sizes, args.dtypes, args.strategies, args.iters, args.warmup, info.device)
+            rows = sweep(args.sizes, args.dtypes, args.strategies, args.iters, args.warmup, info.device, wire)
             text = sweep_table(rows)
             header += f", median of {args.iters} rounds (slowest rank), count = size / 4 for every type"
         else:
-            rows = model_view(args, info)
+            rows = model_view(args, info, wire)
             text = model_table(rows)
             shape = f"{args.seq_len} tokens" if args.model in GPT_SIZES else f"{args.image_size}px"
             header += (f", {args.model}, batch {args.batch_size} at {shape}, "
