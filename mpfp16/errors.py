@@ -18,6 +18,18 @@ def one_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def last_error_line(output: str, skip: tuple[str, ...] = ()) -> str:
+    """The line of a failed child process's output that says why: the last one-line
+    error (``error: ...``, or argparse's ``prog: error: ...``), else the last
+    ``SomeError: ...`` of a traceback, else the last line (a launcher such as torchrun
+    prints its own summary after a worker's message). Lines containing any of
+    ``skip`` (known noise) are ignored."""
+    lines = [line.strip() for line in output.splitlines() if line.strip() and not any(s in line for s in skip)]
+    errors = [line for line in lines if line.startswith("error:") or ": error: " in line]
+    raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception): ", line)]
+    return (errors or raised or lines or ["no output"])[-1]
+
+
 class UserError(Exception):
     """A problem with the input: a flag, a path, a data set or a checkpoint."""
 

@@ -175,3 +175,16 @@ def test_the_compression_table_joins_the_accuracy_cost(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.netem", "--model", "resnet18", "--accuracy", str(bad)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "not a JSON file written by mpfp16.bench.compression" in proc.stderr
+
+
+@pytest.mark.parametrize("output,expected", [
+    ("noise\nerror: --rates: not a link rate\ntorchrun's summary", "error: --rates: not a link rate"),
+    ("train_cifar.py: error: argument -b: invalid int value\n", "train_cifar.py: error: argument -b: invalid int value"),
+    ("Traceback (most recent call last):\n  File \"x\"\nRuntimeError: Connection refused\nsummary", "RuntimeError: Connection refused"),
+    ("[W socket.cpp] The hostname of the client socket cannot be retrieved\nlast", "last"),
+    ("[W socket.cpp] The hostname of the client socket cannot be retrieved\n", "no output"),
+])
+def test_a_failed_node_is_explained_by_its_error_line(tmp_path, output, expected):
+    log = tmp_path / "node.log"
+    log.write_text(output)
+    assert netem._log_error_line(str(log)) == expected

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 
+from ..errors import last_error_line
 from ..train.config import DATA_DEFAULTS, SYNTHETIC_SIZES
 
 PROCESSES = 2
@@ -69,15 +70,6 @@ def command(method: str, seed: int, steps: int, folder: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(PROCESSES),
             SCRIPT, *METHODS[method], "--seed", str(seed), "--max-steps", str(steps), "--epochs", str(epochs),
             "--no-progress", "-p", "1", "--checkpoint-dir", folder]
-
-
-def last_error_line(stderr: str) -> str:
-    """The line that says why a run failed: the script's one-line error (``error: ...``,
-    or argparse's ``train_cifar.py: error: ...``), else the last line (torchrun's
-    summary follows a worker's own message)."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error:") or ": error: " in line]
-    return (errors or lines or ["no output"])[-1]
 
 
 def run_one(method: str, seed: int, steps: int) -> dict:

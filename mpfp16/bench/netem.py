@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 
+from ..errors import last_error_line
 from .allreduce import DTYPES, SETUPS, parse_list, parse_size
 from .links import EmulatedLink, LinkError, parse_delay, parse_rate, unavailable
 
@@ -51,14 +52,10 @@ class JobError(RuntimeError):
     """A torchrun job on the emulated nodes failed or ran out of time."""
 
 
-def _last_error_line(path: str) -> str:
-    """The last line of a node's log worth showing (not c10d's reverse-DNS warnings)."""
+def _log_error_line(path: str) -> str:
+    """Why a node's job failed, from its log (c10d's reverse-DNS warnings skipped)."""
     with open(path, errors="replace") as f:
-        lines = [ln.strip() for ln in f if ln.strip() and "hostname of the client socket" not in ln]
-    for line in reversed(lines):
-        if line.startswith(("error:", "RuntimeError", "ValueError")) or "Error" in line.split(":")[0]:
-            return line
-    return lines[-1] if lines else "(no output)"
+        return last_error_line(f.read(), skip=("hostname of the client socket",))
 
 
 def run_job(link: EmulatedLink, argv: list[str], log_dir: str, name: str, timeout_s: float, threads: int,
@@ -83,14 +80,14 @@ def run_job(link: EmulatedLink, argv: list[str], log_dir: str, name: str, timeou
             failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
             if failed:
                 raise JobError(f"{name}: node {failed[0]} exited with status {procs[failed[0]].returncode}: "
-                               f"{_last_error_line(logs[failed[0]])}")
+                               f"{_log_error_line(logs[failed[0]])}")
             if time.monotonic() > deadline:
                 raise JobError(f"{name}: did not finish within {timeout_s:.0f}s (--timeout-s)")
             time.sleep(0.2)
         for node, p in procs.items():
             if p.returncode != 0:
                 raise JobError(f"{name}: node {node} exited with status {p.returncode}: "
-                               f"{_last_error_line(logs[node])}")
+                               f"{_log_error_line(logs[node])}")
     finally:
         for p in procs.values():
             if p.poll() is None:
