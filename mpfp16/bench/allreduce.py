@@ -87,15 +87,20 @@ def bandwidths(size_bytes: int, seconds: float, world_size: int) -> tuple[float,
     return algbw, algbw * busbw_factor(world_size)
 
 
+def over_ranks(value: float, device: torch.device, op=dist.ReduceOp.MAX) -> float:
+    """``value`` reduced over the ranks (default: the largest)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return float(t)
+
+
 def timed(fn, device: torch.device) -> float:
     """Seconds for one call of ``fn``, between barriers (CUDA events on GPU); the
     slowest rank's."""
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = torch.tensor([time_call(fn, device)], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    return over_ranks(time_call(fn, device), device)
 
 
 # ----------------------------------------------------------------- collective sweep
@@ -115,12 +120,6 @@ def sweep_methods(count: int, dtypes: list[str], strategies: list[str], device: 
             methods[f"{name}+acc32"] = ((lambda b: lambda: comm.average_fp32_accumulate(state, b))(buf.clone()),
                                         DTYPES[name])
     return methods
-
-
-def max_over_ranks(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def sweep(sizes: list[int], dtypes: list[str], strategies: list[str], iters: int, warmup: int,
@@ -152,7 +151,7 @@ def sweep(sizes: list[int], dtypes: list[str], strategies: list[str], iters: int
             row = {"size_bytes": nbytes, "count": count, "dtype": name, "time_us": seconds * 1e6,
                    "algbw_gbps": algbw, "busbw_gbps": busbw}
             if wire is not None:
-                row["wire_bytes"] = max_over_ranks(statistics.median(sent[name][warmup:]), device)
+                row["wire_bytes"] = over_ranks(statistics.median(sent[name][warmup:]), device)
             rows.append(row)
         del methods
     return rows
@@ -328,10 +327,9 @@ def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> l
             seconds, per_step = _steps(ddp, opt, loss, args.accum, args.steps, not no_sync, stats)
             dist.barrier()  # the peer has received everything: nothing sent still waits in a queue uncounted
             sent = wire.read() - before if wire is not None else 0
-            rate = torch.tensor([micro / seconds], dtype=torch.float64, device=device)
-            dist.all_reduce(rate, op=dist.ReduceOp.MIN)  # the slowest rank sets the pace
+            rate = over_ranks(micro / seconds, device, dist.ReduceOp.MIN)  # the slowest rank sets the pace
             row = {
-                "setup": name, "key": key, "processes": world, "no_sync": no_sync, "its_per_s": float(rate),
+                "setup": name, "key": key, "processes": world, "no_sync": no_sync, "its_per_s": rate,
                 "bytes_per_step": statistics.median(s["allreduce_bytes"] for s in per_step),
                 "calls_per_step": statistics.median(s["allreduce_calls"] for s in per_step),
                 "comm_ms": 1e3 * statistics.median(s["allreduce_time_s"] for s in per_step),
@@ -339,7 +337,7 @@ def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> l
                 "skipped": opt.skipped_steps - skipped,
             }
             if wire is not None:  # everything this node sent during the timed steps, per step
-                row["wire_bytes_per_step"] = max_over_ranks(sent / args.steps, device)
+                row["wire_bytes_per_step"] = over_ranks(sent / args.steps, device)
             rows.append(row)
         del ddp, model, opt
     return rows
