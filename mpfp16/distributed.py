@@ -31,9 +31,10 @@ from torch.nn.parallel import DistributedDataParallel
 from .comm import HOOKS, STRATEGIES, TORCH_STRATEGIES, CommStats, HookState
 from .powersgd import RANDOM_SEED, PowerSGDMemory
 from .replicas import ReplicaDivergenceError, check_replicas
+from .sharding import is_sharded_model, set_gradient_sync, shard
 
 __all__ = [
-    "DistInfo", "init", "teardown", "wrap", "sync_gradients", "comm_stats", "comm_state_dict",
+    "DistInfo", "init", "teardown", "wrap", "shard", "sync_gradients", "comm_stats", "comm_state_dict",
     "load_comm_state_dict", "check_replicas", "ReplicaDivergenceError", "broadcast_buffers", "broadcast_object",
     "all_gather_object", "gather_object", "get_rank", "get_world_size", "is_main_process", "DEFAULT_TIMEOUT_S",
 ]
@@ -387,7 +388,11 @@ def broadcast_buffers(model: torch.nn.Module, src: int = 0, process_group=None) 
 
 
 def comm_stats(model: torch.nn.Module) -> CommStats | None:
-    """The :class:`CommStats` of a model made by :func:`wrap`; None for any other."""
+    """The :class:`CommStats` of a model made by :func:`wrap` (a
+    :class:`mpfp16.sharding.ShardCommStats` for one made by :func:`shard`); None for
+    any other."""
+    if is_sharded_model(model):
+        return model._mpfp16_shard_stats
     state = getattr(model, "_mpfp16_hook_state", None)
     return state.stats if state is not None else None
 
@@ -424,11 +429,15 @@ def load_comm_state_dict(model: torch.nn.Module, saved: dict) -> str | None:
 def sync_gradients(model: torch.nn.Module, sync: bool):
     """A context for one micro-batch's backward.
 
-    ``sync=False`` runs it under DDP's ``no_sync()``: the gradients accumulate locally
+    ``sync=False`` runs it under DDP's ``no_sync()`` (for a model made by
+    :func:`shard`, with FSDP2's gradient sync off): the gradients accumulate locally
     and nothing is sent. Pass ``sync=True`` only on the last micro-batch before
-    ``step()``, so that the allreduce runs once per optimizer step, whatever the
-    number of accumulation steps. For a model that is not DDP it does nothing.
+    ``step()``, so that the allreduce (or reduce-scatter) runs once per optimizer
+    step, whatever the number of accumulation steps. For any other model it does
+    nothing.
     """
+    if is_sharded_model(model):
+        return set_gradient_sync(model, sync)
     if sync or not isinstance(model, DistributedDataParallel):
         return contextlib.nullcontext()
     return model.no_sync()

@@ -56,6 +56,24 @@ FUSED_MIN_NUMEL = 1 << 20  # below this, fused=None keeps the unfused step (no c
 _STATE_FORMAT = "mpfp16.FP16Optimizer/1"
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _holds_sharded(optimizer) -> bool:
+    from .sharding import is_sharded
+
+    params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+    return any(is_sharded(p) for p in params)
+
+
 class FP16Optimizer(torch.optim.Optimizer):
     """Mixed-precision wrapper around a ``torch.optim`` optimizer.
 
@@ -115,6 +133,14 @@ class FP16Optimizer(torch.optim.Optimizer):
     gradient in a step is stepped with a zero gradient, as torch does after
     ``zero_grad(set_to_none=False)``.
     """
+
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        # A model sharded by mpfp16.distributed.shard() gets the sharded step (mpfp16/sharded_optimizer.py).
+        if cls is FP16Optimizer and _holds_sharded(optimizer):
+            from .sharded_optimizer import ShardedFP16Optimizer
+
+            cls = ShardedFP16Optimizer
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -562,16 +588,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         without masters 2 + 2 + 0 + 0 + 4 = 8.
         """
         numel = sum(g.layout.numel for g in self._groups)
-
-        def nbytes(tensors) -> int:
-            seen, total = set(), 0
-            for t in tensors:
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-            return total
-
+        nbytes = storage_bytes
         halves = [g for g in self._groups if g.half]
         state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         report = {

@@ -1,0 +1,391 @@
+"""Checkpoints of a sharded model: each rank writes its shards, any world size reads them.
+
+    sharded_checkpoint.save("run/last.dcp", {"model": model.state_dict(), "optimizer": opt.state_dict(), ...})
+    state = sharded_checkpoint.load("run/last.dcp", targets={"model": model.state_dict()})
+
+A checkpoint is a folder written with ``torch.distributed.checkpoint`` (DCP) and
+named by a symbolic link:
+
+``meta.pt``
+    everything that is not a sharded tensor (plain tensors, numbers, strings, the
+    structure), written by rank 0 with ``torch.save`` and read with
+    ``weights_only=True``;
+``.metadata`` and ``__R_0.distcp``
+    DCP's index and each rank's shards of the DTensors.
+
+**Resharding.** DCP reads any slice of a saved tensor, so a checkpoint saved on N
+ranks loads on M: each sharded tensor is read into a DTensor of the reader's
+sharding, bit for bit.
+
+**Atomic.** Every rank writes into a temporary folder; rank 0 then renames it and
+swaps the link (a new link renamed over the old one, which POSIX makes atomic), and
+only then removes the folder the link named before. A crash at any moment leaves the
+link naming a complete checkpoint, the previous one until the swap.
+
+**No code runs on load.** DCP reads its ``.metadata`` with ``pickle`` and its
+non-tensor items with ``torch.load(weights_only=False)``. Here ``.metadata`` is read
+first by an unpickler that builds DCP's own metadata records and nothing else, every
+entry must be a tensor (a non-tensor item, which DCP would unpickle, is refused), and
+the names, shapes and dtypes must be those ``meta.pt`` lists; only then does DCP read.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import secrets
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointError, one_line
+from .serialization import load_weights_only
+from .sharding import is_sharded
+
+__all__ = ["FORMAT", "save", "load", "link", "is_checkpoint", "folder_of", "remove_unreferenced"]
+
+FORMAT = "mpfp16.sharded-checkpoint/1"
+META = "meta.pt"
+DATA_PREFIX = "sharded-"
+_MARK = "__mpfp16_dtensor__"
+
+
+# ------------------------------------------------------------------ structure
+
+
+def _split(obj, path: str, dtensors: dict):
+    """``obj`` with each DTensor replaced by a marker naming it in ``dtensors``."""
+    if isinstance(obj, torch.Tensor) and is_sharded(obj):
+        from torch.distributed.tensor import Shard
+
+        if tuple(obj.placements) != (Shard(0),):
+            raise ValueError(f"{path}: only tensors sharded along dim 0 over a 1-D mesh are supported, "
+                             f"got placements {obj.placements}")
+        dtensors[path] = obj
+        return {_MARK: path, "shape": list(obj.shape), "dtype": str(obj.dtype).replace("torch.", "")}
+    if isinstance(obj, dict):
+        return {k: _split(v, f"{path}/{k}", dtensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split(v, f"{path}/{i}", dtensors) for i, v in enumerate(obj))
+    return obj
+
+
+def _markers(obj, found: dict) -> dict:
+    if isinstance(obj, dict):
+        if _MARK in obj:
+            found[obj[_MARK]] = obj
+        else:
+            for v in obj.values():
+                _markers(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _markers(v, found)
+    return found
+
+
+def _join(obj, tensors: dict):
+    if isinstance(obj, dict):
+        if _MARK in obj:
+            return tensors[obj[_MARK]]
+        return {k: _join(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_join(v, tensors) for v in obj)
+    return obj
+
+
+def _flat_targets(targets, path: str, out: dict) -> dict:
+    if isinstance(targets, torch.Tensor):
+        out[path] = targets
+    elif isinstance(targets, dict):
+        for k, v in targets.items():
+            _flat_targets(v, f"{path}/{k}", out)
+    return out
+
+
+# ------------------------------------------------------------------ the folder
+
+
+def folder_of(path: str) -> str:
+    """The data folder a checkpoint link names (``path`` itself if it is a folder)."""
+    return os.path.realpath(path)
+
+
+def is_checkpoint(path: str) -> bool:
+    """True when ``path`` (a link or a folder) holds a sharded checkpoint's ``meta.pt``."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, META))
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def link(path: str, data_folder: str) -> None:
+    """Point the link ``path`` at ``data_folder`` (in the same folder), atomically."""
+    parent = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    os.symlink(os.path.basename(data_folder), tmp)
+    os.replace(tmp, path)
+    _fsync_dir(parent)
+
+
+def remove_unreferenced(parent: str) -> list[str]:
+    """Delete the data folders in ``parent`` that no link there names, and unfinished
+    writes (``.*.tmp``) that a killed run left. Returns what was removed."""
+    if not os.path.isdir(parent):
+        return []
+    names = os.listdir(parent)
+    kept = {os.path.basename(os.path.realpath(os.path.join(parent, n)))
+            for n in names if os.path.islink(os.path.join(parent, n))}
+    removed = []
+    for name in names:
+        full = os.path.join(parent, name)
+        stale_data = name.startswith(DATA_PREFIX) and name not in kept and not os.path.islink(full)
+        stale_tmp = name.startswith(".") and name.endswith(".tmp") and (".dcp" in name or name.startswith(f".{DATA_PREFIX}"))
+        if stale_data or stale_tmp:
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(full)
+                except OSError:
+                    continue
+            removed.append(name)
+    return removed
+
+
+def _dcp_errors() -> tuple:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)  # DCP's own is a BaseException
+
+
+DCP_ERRORS = _dcp_errors()
+
+
+def _dcp_error(exc: BaseException) -> str:
+    """DCP's error in one line: the first failing rank and what it raised (DCP's own
+    message carries every rank's traceback)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = sorted(failures.items())[0]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else inner}"
+    return one_line(exc)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agree(error: str | None) -> None:
+    """Raise the first rank's error on every rank (one small collective)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _finish(path: str, tmp: str, final: str, skeleton: dict) -> None:
+    """Rank 0, once every rank wrote its shards: meta.pt, then the rename and the link."""
+    meta = {"format": FORMAT, "state": skeleton, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    with open(os.path.join(tmp, META), "wb") as f:
+        torch.save(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+    link(path, final)
+    remove_unreferenced(os.path.dirname(final))
+
+
+def save(path: str, state: dict, tag: str = "") -> str:
+    """Write ``state`` as a sharded checkpoint named by the link ``path``; a collective:
+    every rank calls it with its own shards. Returns the data folder.
+
+    ``state`` holds nested dicts and lists of DTensors (sharded along dim 0, as
+    :func:`mpfp16.distributed.shard` makes them), plain tensors and plain values;
+    everything but the DTensors is rank 0's.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    parent = os.path.dirname(os.path.abspath(path))
+    dtensors: dict = {}
+    skeleton = _split(state, "", dtensors)
+    stamp = f"{DATA_PREFIX}{tag + '-' if tag else ''}{secrets.token_hex(4)}"
+    if dist.is_initialized():
+        holder = [stamp]
+        dist.broadcast_object_list(holder, src=0)
+        stamp = holder[0]
+    tmp = os.path.join(parent, f".{stamp}.tmp")
+    final = os.path.join(parent, stamp)
+    error = None
+    if _rank() == 0:
+        try:
+            os.makedirs(tmp)
+        except OSError as exc:
+            error = f"cannot write checkpoint {path}: {one_line(exc)}"
+    _agree(error)
+    try:
+        try:
+            dcp.save(dtensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        except DCP_ERRORS as exc:  # a full disk on one rank: DCP tells every rank
+            error = f"cannot write checkpoint {path}: {_dcp_error(exc)}"
+        _agree(error)
+        if _rank() == 0:
+            try:
+                _finish(path, tmp, final, skeleton)
+            except OSError as exc:
+                error = f"cannot write checkpoint {path}: {one_line(exc)}"
+        _agree(error)
+    finally:
+        if _rank() == 0 and os.path.isdir(tmp):  # a failed write leaves nothing behind
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ------------------------------------------------------------------ loading
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata records and nothing else."""
+
+    ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", name) for name in (
+            "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+            "StorageMeta", "_MEM_FORMAT_ENCODING")
+    } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+         ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def _check_metadata(path: str, markers: dict):
+    """Read DCP's ``.metadata`` safely and check it lists exactly the tensors of
+    ``markers``, with their shapes and dtypes. Returns it."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    file = os.path.join(path, ".metadata")
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is incomplete: no .metadata") from None
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"refusing to load {path}: its .metadata holds a pickled Python object ({exc}) that is "
+                              "not DCP metadata") from None
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: .metadata is corrupt: {one_line(exc)}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"checkpoint {path}: .metadata is not DCP metadata")
+    entries = metadata.state_dict_metadata
+    not_tensors = [k for k, v in entries.items() if not isinstance(v, TensorStorageMetadata)]
+    if not_tensors:
+        raise CheckpointError(f"refusing to load {path}: {not_tensors[0]} is not a tensor (DCP would unpickle it)")
+    if set(entries) != set(markers):
+        extra = sorted(set(entries) ^ set(markers))
+        raise CheckpointError(f"checkpoint {path}: .metadata and meta.pt list different tensors (first {extra[0]})")
+    for key, marker in markers.items():
+        md = entries[key]
+        if list(md.size) != list(marker["shape"]) or str(md.properties.dtype) != f"torch.{marker['dtype']}":
+            raise CheckpointError(f"checkpoint {path}: {key} is {list(md.size)} {md.properties.dtype} in .metadata "
+                                  f"and {marker['shape']} {marker['dtype']} in meta.pt")
+    return metadata
+
+
+def _reader(path: str, metadata):
+    """DCP's file reader, given the metadata read by :func:`_check_metadata` instead of
+    unpickling ``.metadata`` itself."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(path)
+
+
+def read_meta(path: str) -> dict:
+    """``meta.pt`` of the checkpoint ``path`` (weights_only), checked."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file, not a sharded checkpoint folder (an unsharded run's checkpoint: "
+                              "resume it without --shard)")
+    meta = load_weights_only(os.path.join(path, META))
+    if meta.get("format") != FORMAT or not isinstance(meta.get("state"), dict):
+        raise CheckpointError(f"{path} is not an mpfp16 sharded checkpoint (no 'format': '{FORMAT}' in {META})")
+    return meta
+
+
+def load(path: str, targets: dict | None = None, mesh=None) -> dict:
+    """Read the checkpoint ``path`` (a collective). Returns its state: DTensors of this
+    run's sharding where it saved DTensors, and rank 0's plain values.
+
+    Args:
+        targets: nested dicts of DTensors to read into in place, at the places the
+            state has them (``{"model": model.state_dict()}``: the model's own sharded
+            parameters receive the saved values). Other sharded tensors are made new,
+            sharded along dim 0 over ``mesh``.
+        mesh: the device mesh for new DTensors; default that of the first target.
+
+    Raises:
+        CheckpointError: one line, on every rank: the folder is missing or incomplete,
+            ``meta.pt`` is not a checkpoint, ``.metadata`` holds anything but DCP's
+            records of tensors, or the tensors do not fit.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    error, meta, markers, metadata = None, None, {}, None
+    try:
+        meta = read_meta(path)
+        markers = _markers(meta["state"], {})
+        metadata = _check_metadata(path, markers)
+    except CheckpointError as exc:
+        error = str(exc)
+    _agree(error)
+    given = _flat_targets(targets or {}, "", {})
+    if mesh is None:
+        mesh = next((t.device_mesh for t in given.values() if is_sharded(t)), None)
+    buffers = {}
+    for key, marker in markers.items():
+        target = given.get(key)
+        if target is not None and is_sharded(target):
+            if list(target.shape) != marker["shape"] or str(target.dtype) != f"torch.{marker['dtype']}":
+                error = (f"checkpoint {path}: {key} is {marker['shape']} {marker['dtype']} there and "
+                         f"{list(target.shape)} {target.dtype} here")
+                break
+            buffers[key] = target
+        else:
+            if mesh is None:
+                error = "loading a sharded checkpoint needs a device mesh (pass mesh=, or sharded targets)"
+                break
+            buffers[key] = dtensor_empty(marker["shape"], dtype=getattr(torch, marker["dtype"]), device_mesh=mesh,
+                                         placements=[Shard(0)])
+    _agree(error)
+    try:
+        with torch.no_grad():
+            dcp.load(buffers, storage_reader=_reader(path, metadata))
+    except DCP_ERRORS as exc:
+        error = f"checkpoint {path} does not load: {_dcp_error(exc)}"
+    _agree(error)
+    return _join(meta["state"], buffers)

@@ -1,0 +1,265 @@
+"""Sharded master weights on torch's FSDP2 (``fully_shard``).
+
+    model = mpfp16.distributed.shard(model)                 # the fp32 model, after init()
+    opt = mpfp16.FP16Optimizer(torch.optim.AdamW(model.parameters()), model=model)
+
+:func:`shard` gives each block, each normalization layer and the root its own
+``fully_shard`` unit. Each rank then holds 1/N of every parameter, in fp32: the
+sharded parameters *are* the master weights, and their sharded gradients are fp32.
+Before a unit's forward (and backward) FSDP2 casts its shards to ``param_dtype`` and
+all-gathers them, so the model computes in fp16 as a :func:`mpfp16.to_half` model
+does; after backward it reduce-scatters the 16-bit gradients in ``reduce_dtype`` and
+casts each rank's shard to fp32. Normalization layers keep fp32 parameters (and
+reduce in fp32), as ``to_half`` keeps them. :class:`mpfp16.FP16Optimizer` unscales,
+checks, clips and steps the fp32 shards; there is nothing to copy back, since the next
+forward all-gathers the new fp16 values.
+
+The differences from DDP, all of FSDP2's making: the all-gathers (one per unit per
+forward, and per backward with ``reshard_after_forward``), and the gradient
+reduction: FSDP2 divides fp16 gradients by about sqrt(N) before the sum and by the
+rest after it, where mpfp16's DDP hook sums first (equal for N = 2 except in
+subnormals; for N > 2 it differs in rounding only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .comm import CommStats
+from .convert import HALF_DTYPES, NORM_TYPES
+
+__all__ = ["shard", "is_sharded", "is_sharded_model", "sharded_params", "find_blocks", "set_gradient_sync",
+           "ShardCommStats"]
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """True for a DTensor: a parameter that FSDP2 (or another DTensor API) sharded."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def sharded_params(params) -> list[torch.Tensor]:
+    return [p for p in params if is_sharded(p)]
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model``: every child of an ``nn.Sequential`` or
+    ``nn.ModuleList`` that has submodules of its own and parameters (a ResNet's
+    residual blocks, a transformer's layers), in post-order (innermost first)."""
+    blocks = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if isinstance(module, (nn.Sequential, nn.ModuleList)):
+            for child in module.children():
+                has_children = next(child.children(), None) is not None
+                if has_children and not isinstance(child, NORM_TYPES) and any(True for _ in child.parameters()):
+                    blocks.append(child)
+
+    visit(model)
+    return blocks
+
+
+class _Accounted:
+    """Wraps one of FSDP2's default collectives and records its payload and time."""
+
+    def __init__(self, inner, stats: CommStats) -> None:
+        self.inner, self.stats = inner, stats
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def _record(self, numel: int, dtype: torch.dtype, work):
+        self.stats.launched(numel, dtype)
+        if work is None:
+            self.stats.finished()
+            return None
+        work.get_future().then(lambda _fut: self.stats.finished())
+        return work
+
+
+def _accounted_comms(stats: ShardCommStats):
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class AccountedAllGather(_Accounted, AllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            # What this rank sends: its shard, to each of the others (ring all-gather: its
+            # payload is the full buffer, as nccl-tests counts it).
+            work = self.inner(output_tensor, input_tensor, group, async_op=async_op)
+            return self._record(output_tensor.numel(), output_tensor.dtype, work)
+
+    class AccountedReduceScatter(_Accounted, ReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            work = self.inner(output_tensor, input_tensor, group, op, async_op=async_op)
+            return self._record(input_tensor.numel(), input_tensor.dtype, work)
+
+    return AccountedAllGather(DefaultAllGather(), stats.all_gather), \
+        AccountedReduceScatter(DefaultReduceScatter(), stats.reduce_scatter)
+
+
+class ShardCommStats:
+    """Per-step communication of a sharded model: all-gathers (of parameters) and
+    reduce-scatters (of gradients), each a :class:`mpfp16.comm.CommStats`."""
+
+    def __init__(self) -> None:
+        self.all_gather = CommStats()
+        self.reduce_scatter = CommStats()
+
+    def new_round(self) -> None:
+        self.all_gather.new_round()
+        self.reduce_scatter.new_round()
+
+    def pop_step(self) -> dict:
+        """``{all_gather,reduce_scatter}_{calls,bytes,time_s,wait_s}`` since the last
+        call (see :meth:`mpfp16.comm.CommStats.pop_step` for the definitions), and
+        ``allreduce_calls``/``allreduce_bytes`` (0: a sharded model allreduces nothing)."""
+        out = {"allreduce_calls": 0, "allreduce_bytes": 0}
+        for kind, stats in (("all_gather", self.all_gather), ("reduce_scatter", self.reduce_scatter)):
+            for key, value in stats.pop_step().items():
+                out[key.replace("allreduce", kind)] = value
+        return out
+
+
+@torch.no_grad()
+def _as_to_half(model: nn.Module, dtype: torch.dtype) -> None:
+    """What :func:`mpfp16.to_half` would make of ``model``, kept in fp32: parameters of
+    layers other than normalization layers rounded to ``dtype`` (the masters then start
+    from the 16-bit weights, as they do on the DDP path), and their floating-point
+    buffers cast to ``dtype`` (normalization statistics stay fp32)."""
+    for module in model.modules():
+        if isinstance(module, NORM_TYPES):
+            continue
+        for p in module.parameters(recurse=False):
+            p.copy_(p.to(dtype))
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                module._buffers[name] = buf.to(dtype)
+
+
+class _BufferSync:
+    """Rank 0's buffers (BatchNorm statistics) before a training forward, when the
+    previous training forward synchronized gradients: what DDP does with
+    ``broadcast_buffers=True`` (under ``no_sync`` accumulation, at the first
+    micro-batch of each step only)."""
+
+    def __init__(self, model: nn.Module, group) -> None:
+        self.model, self.group, self.next_forward = model, group, True
+
+    def before_forward(self, module, args) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if self.next_forward and dist.get_world_size(self.group) > 1:
+            with torch.no_grad():
+                for buf in module.buffers():
+                    dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.next_forward = getattr(module, "_mpfp16_sync", True)
+
+
+def shard(model: nn.Module, param_dtype: torch.dtype = torch.float16, reduce_dtype: torch.dtype | None = None,
+          reshard_after_forward: bool = True, *, blocks: list[nn.Module] | None = None, mesh=None,
+          broadcast_buffers: bool = True) -> nn.Module:
+    """Shard ``model`` across the ranks with FSDP2, fp32 masters and ``param_dtype`` compute.
+
+    Args:
+        model: the fp32 model, on its device (its fp32 parameters become the sharded
+            masters: do not call :func:`mpfp16.to_half` first).
+        param_dtype: the compute and all-gather dtype: ``torch.float16`` or
+            ``torch.bfloat16``.
+        reduce_dtype: the gradients' dtype in the reduce-scatter; default
+            ``param_dtype``; ``torch.float32`` reduces in fp32.
+        reshard_after_forward: free each unit's gathered parameters after its forward
+            and gather them again for backward (less memory, one more all-gather per
+            unit); False keeps them until after backward.
+        blocks: the submodules that get their own unit; default :func:`find_blocks`.
+        mesh: a 1-D ``DeviceMesh``; default all ranks of the default group.
+        broadcast_buffers: give every rank rank 0's buffers before training forwards,
+            as DDP does (module docstring of :class:`_BufferSync`).
+
+    Returns:
+        ``model``, now an ``FSDPModule``. Its per-step communication figures are
+        ``mpfp16.distributed.comm_stats(model).pop_step()``; accumulate without
+        communication under ``mpfp16.distributed.sync_gradients(model, False)``.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("shard() needs torch.distributed: call mpfp16.distributed.init() first (under torchrun, "
+                           "or for one process)")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError("shard() got a DistributedDataParallel module: shard the plain model instead of wrapping it")
+    if isinstance(model, FSDPModule):
+        raise ValueError("the model is already sharded: call shard() once")
+    if param_dtype not in HALF_DTYPES:
+        raise ValueError(f"param_dtype must be torch.float16 or torch.bfloat16, got {param_dtype}")
+    if reduce_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"reduce_dtype must be None, float16, bfloat16 or float32, got {reduce_dtype}")
+    not_fp32 = [(name, p.dtype) for name, p in model.named_parameters() if p.dtype != torch.float32]
+    if not_fp32:
+        name, dtype = not_fp32[0]
+        raise ValueError(f"shard() takes the fp32 model, whose sharded fp32 parameters become the master weights; "
+                         f"parameter {name} is {dtype}: do not call to_half() (or .half()) before shard()")
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = next(model.parameters()).device
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    group = mesh.get_group()
+    stats = ShardCommStats()
+    gather, scatter = _accounted_comms(stats)
+    # gloo has no AVG reduction: there FSDP2 must sum and divide (it does so for fp16 anyway).
+    force_sum = dist.get_backend(group) == "gloo"
+
+    def unit(module: nn.Module, policy: MixedPrecisionPolicy) -> None:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        module.set_custom_all_gather(gather)
+        module.set_custom_reduce_scatter(scatter)
+        if force_sum:
+            module.set_force_sum_reduction_for_comms(True)
+
+    _as_to_half(model, param_dtype)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for module in model.modules():
+        if isinstance(module, NORM_TYPES) and any(True for _ in module.parameters(recurse=False)):
+            unit(module, fp32)
+    half = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in (find_blocks(model) if blocks is None else blocks):
+        if block is not model:
+            unit(block, half)
+    unit(model, MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32))
+    model._mpfp16_shard_stats = stats
+    model._mpfp16_param_dtype = param_dtype
+    model._mpfp16_sync = True
+    model.register_forward_pre_hook(lambda module, args: stats.new_round())
+    if broadcast_buffers:
+        model.register_forward_pre_hook(_BufferSync(model, group).before_forward)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, sync: bool):
+    """A context in which a sharded model's backward reduce-scatters (``sync``) or
+    accumulates its unsharded gradients locally (FSDP2's ``set_requires_gradient_sync``)."""
+
+    @contextlib.contextmanager
+    def ctx():
+        before = getattr(model, "_mpfp16_sync", True)
+        model.set_requires_gradient_sync(sync)
+        model._mpfp16_sync = sync
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(before)
+            model._mpfp16_sync = before
+
+    return ctx()
+
+
+def is_sharded_model(model: nn.Module) -> bool:
+    return hasattr(model, "_mpfp16_shard_stats")
+

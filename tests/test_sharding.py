@@ -1,0 +1,138 @@
+"""Sharded masters on FSDP2 (mpfp16.distributed.shard) against the DDP path, over gloo
+with 1, 2 and 4 processes (tests/sharding_workers.py)."""
+
+import os
+
+import pytest
+import torch
+
+import sharding_workers as W
+from dist_helpers import run_workers
+
+slow = pytest.mark.slow
+
+
+def test_two_ranks_follow_the_ddp_trajectory_bit_for_bit_with_the_same_skips(tmp_path):
+    """No clipping: the gradients, the reduction (x/2 + y/2 == (x + y)/2) and the
+    step are the same arithmetic, so the masters are bit-identical; one rank's NaN
+    batch at step 3 and the first steps' overflows skip the same steps on both."""
+    r0, r1 = run_workers(W.trajectories, tmp_path, 2, args=(8, {"nan_steps": (3,), "clip": None}), timeout=240)
+    c = r0["compare"]
+    assert 3 in r0["ddp"]["skipped"]
+    assert c["same_skips"], (r0["ddp"]["skipped"], r0["sharded"]["skipped"])
+    assert c["max_master_diff"] == 0.0, c
+    torch.testing.assert_close(torch.tensor(r0["sharded"]["losses"]), torch.tensor(r0["ddp"]["losses"]), rtol=0,
+                               atol=0, equal_nan=True)
+    assert r0["ddp"]["scales"] == r0["sharded"]["scales"]
+
+
+def test_accumulation_without_reduce_scatter_matches_ddp_no_sync(tmp_path):
+    r0, _ = run_workers(W.trajectories, tmp_path, 2, args=(4, {"accum": 2, "clip": None}), timeout=240)
+    assert r0["compare"]["max_master_diff"] == 0.0, r0["compare"]
+
+
+def test_four_ranks_differ_only_by_the_order_of_the_sum(tmp_path):
+    """With 4 ranks the gradients are summed in another order (gloo's reduce-scatter
+    against its allreduce; the divisions by 2 and 4 are exact): after one step every
+    master is within the rounding of its sum (2^-8 of its update for fp16 sums, 2^-20
+    for the fp32 ones of normalization layers); over steps the runs skip together."""
+    r0, *_ = run_workers(W.first_step, tmp_path / "one", 4, args=(None,), timeout=300)
+    ddp, sharded = r0["ddp"], r0["sharded"]
+    assert ddp["fp32"]
+    for name, m in ddp["masters"].items():
+        diff = (sharded["masters"][name] - m).abs().max().item()
+        rounding = 2 ** -20 if name in ddp["fp32"] else 2 ** -8  # of an fp32 or an fp16 sum
+        assert diff <= rounding * (m - ddp["initial"][name]).abs().max().item(), name
+    r0, *_ = run_workers(W.trajectories, tmp_path / "run", 4, args=(6, {"nan_steps": (2,), "clip": None}), timeout=400)
+    c = r0["compare"]
+    assert c["same_skips"] and 2 in r0["ddp"]["skipped"]
+    assert c["max_loss_diff"] < 1e-2, c
+
+
+@pytest.mark.parametrize("clip", [1.0, 1e-3], ids=["not-clipping", "clipping"])
+def test_global_norm_and_clipping_match_clip_grad_norm(tmp_path, clip):
+    r0, r1 = run_workers(W.first_step, tmp_path, 2, args=(clip,))
+    ddp, sharded = r0["ddp"], r0["sharded"]
+    assert r1["sharded"]["norm"] == sharded["norm"]  # every rank the same global norm
+    assert sharded["norm"] == pytest.approx(ddp["norm"], rel=1e-6)
+    for name, m in ddp["masters"].items():
+        torch.testing.assert_close(sharded["masters"][name], m, rtol=1e-6, atol=1e-7)
+
+
+def test_one_reduce_scatter_per_unit_per_step_whatever_the_accumulation(tmp_path):
+    one = run_workers(W.comm_per_step, tmp_path / "a", 2, args=(1,))[0]
+    four = run_workers(W.comm_per_step, tmp_path / "b", 2, args=(4,))[0]
+    for result in (one, four):
+        for row in result["rows"]:
+            assert row["allreduce_calls"] == 0
+            assert row["reduce_scatter_calls"] == result["units"]
+            assert row["all_gather_calls"] >= result["units"]
+    rs = one["rows"][1]["reduce_scatter_bytes"]
+    assert four["rows"][1]["reduce_scatter_bytes"] == rs
+    # fp16 gradients (fp32 for the normalization layers), padded to a multiple of the ranks
+    assert 2 * one["numel"] <= rs <= 4 * one["numel"] + 4096
+
+
+@pytest.mark.parametrize("save_ranks,load_ranks", [(2, 1), (2, 4), (1, 2)])
+def test_checkpoint_reshards_bit_identically(tmp_path, save_ranks, load_ranks):
+    path = str(tmp_path / "last.dcp")
+    saved = run_workers(W.save_sharded, tmp_path / "save", save_ranks, args=(path, 2), timeout=240)[0]
+    loaded = run_workers(W.load_sharded, tmp_path / "load", load_ranks, args=(path,), timeout=300)
+    for result in loaded:
+        assert result["step"] == 2 and result["iteration"] == saved["iteration"] == 2
+        assert result["scale"] == saved["scale"]
+        assert result["masters"].keys() == saved["masters"].keys()
+        for name, m in saved["masters"].items():
+            assert torch.equal(result["masters"][name], m), name
+        assert result["state"].keys() == saved["state"].keys()
+        for key, v in saved["state"].items():
+            assert torch.equal(result["state"][key], v), key
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
+    r0, r1 = run_workers(W.failed_save_keeps_previous, tmp_path / "w", 2, args=(str(tmp_path / "run"),))
+    for r in (r0, r1):
+        assert r["error"] and "No space left on device" in r["error"] and "\n" not in r["error"]
+        assert r["still"] == r["first"]
+        for name, m in r["before"]["masters"].items():
+            assert torch.equal(r["loaded"]["masters"][name], m)
+    # the failed write's folder is gone: one data folder and the link
+    assert [n for n in r0["listing"] if not n.startswith(".mpfp16")] == ["last.dcp", os.path.basename(r0["first"])]
+
+
+def test_tampered_checkpoints_are_refused_and_never_run(tmp_path):
+    r0, r1 = run_workers(W.unsafe_checkpoints, tmp_path / "w", 2, args=(str(tmp_path / "c"),))
+    assert r0["marker_written"] is False
+    for r in (r0, r1):
+        assert "refusing to load" in r["code"] and "io.open" in r["code"]
+        assert "refusing to load" in r["bytes"] and "BytesStorageMetadata" in r["bytes"]
+        assert "no .metadata" in r["missing-metadata"]
+        assert "corrupt" in r["garbage-meta"]
+        assert all("\n" not in r[k] for k in ("code", "bytes", "missing-metadata", "garbage-meta"))
+
+
+def test_refusals_are_one_line(tmp_path):
+    r, = run_workers(W.refusals, tmp_path, 1)
+    assert r["type"] == "ShardedFP16Optimizer" and r["is FP16Optimizer"]
+    assert "do not call to_half()" in r["to_half first"]
+    assert "already sharded" in r["shard twice"]
+    assert "master_weights=False has no meaning" in r["no masters"]
+    assert "fused=True is not possible" in r["fused"]
+    assert "needs model=" in r["no model"]
+    assert "no gradient reached" in r["step without backward"]
+    assert "outside opt.backward()" in r["backward outside opt"]
+    for key, value in r.items():
+        assert not isinstance(value, str) or "\n" not in value, key
+
+
+@pytest.mark.parametrize("optimizer,state", [("sgd", 4), ("adam", 8)])
+def test_memory_per_rank_falls_with_the_ranks(tmp_path, optimizer, state):
+    """Between steps a rank holds its fp32 shards of weights, gradients and state, and
+    no 16-bit copy: (4 + 4 + state) / N bytes per parameter, where DDP holds 12 + state
+    (unfused) on every rank."""
+    rows = run_workers(W.memory, tmp_path, 2, args=(optimizer,), timeout=240)[0]
+    by_path = {r["path"]: r for r in rows}
+    sharded, ddp = by_path["sharded"], by_path["ddp (unfused)"]
+    assert sharded["model_weights"] == 0 and sharded["model_grads"] == 0
+    assert sharded["total"] == pytest.approx((8 + state) / 2, rel=0.02)
+    assert ddp["total"] == pytest.approx(12 + state, rel=0.02)
