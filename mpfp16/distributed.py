@@ -90,7 +90,7 @@ def _env_int(name: str) -> int:
 
 
 def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None,
-         log_level: int = logging.INFO) -> DistInfo:
+         log_level: int = logging.INFO, group_of_one: bool = False) -> DistInfo:
     """Set up this process from torchrun's environment, or as a single process.
 
     Args:
@@ -101,6 +101,8 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, devic
             ``LOCAL_RANK`` under torchrun).
         log_level: level of the ``mpfp16`` logger on rank 0; other ranks log warnings
             and errors only.
+        group_of_one: without torchrun, still make a process group, of this process
+            alone (an in-memory store, no network): :func:`shard` needs one.
 
     Returns:
         A :class:`DistInfo`. Without torchrun (no ``WORLD_SIZE`` in the environment)
@@ -131,7 +133,7 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, devic
     else:
         dev = torch.device("cpu")
     _configure_logging(rank, log_level)
-    if not launched:
+    if not launched and not group_of_one:
         return DistInfo(0, 1, 0, dev, None)
 
     backend = backend or ("nccl" if use_cuda else "gloo")
@@ -139,8 +141,8 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, devic
         raise ValueError("the NCCL backend needs CUDA GPUs; use gloo on CPU")
     kwargs = {"device_id": dev} if use_cuda else {}
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, store=_attempt_store(rank, world_size, timeout), rank=rank,
-                            world_size=world_size, timeout=timeout, **kwargs)
+    store = _attempt_store(rank, world_size, timeout) if launched else dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     logger.info("distributed: %d process%s, backend %s, device %s, timeout %gs", world_size,
                 "" if world_size == 1 else "es", backend, dev.type, timeout_s)
     return DistInfo(rank, world_size, local_rank, dev, backend)

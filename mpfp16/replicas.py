@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .errors import ReplicaDivergenceError
 from .flat import is_dense
+from .sharding import is_sharded
 
 __all__ = ["ReplicaDivergenceError", "check_replicas", "tensor_checksum"]
 
@@ -124,6 +125,9 @@ def collect(model: torch.nn.Module, optimizer=None, buffers: bool = True):
         if "optimizer" not in state:  # a plain torch optimizer: its state_dict is the inner one
             state = {"optimizer": state}
         _walk(state, "", tensors, values)
+    # Sharded tensors (mpfp16.distributed.shard) differ between ranks by design: each
+    # holds its own shard. What the ranks must share is the rest.
+    tensors = [(path, t) for path, t in tensors if not is_sharded(t)]
     return tensors, values, param_names
 
 
@@ -154,7 +158,8 @@ def check_replicas(model: torch.nn.Module, optimizer=None, *, process_group=None
     """Raise on every rank unless all ranks of ``process_group`` hold bit-identical
     state: the model's parameters and buffers, and the optimizer's state_dict (the
     fp32 masters and inner state of an :class:`mpfp16.FP16Optimizer`, the loss scale
-    and counters).
+    and counters). Of a sharded model, what is not sharded: its buffers, the loss
+    scale, the counters and hyperparameters, and unsharded optimizer state.
 
     Args:
         model: the model, or the DDP module around it.

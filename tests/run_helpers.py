@@ -50,3 +50,32 @@ def assert_same_final_state(a_path, b_path) -> None:
     assert a_ckpt["step"] == b_ckpt["step"] and a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def sharded_checkpoint_tensors(path, tmp_dir) -> tuple[dict, dict]:
+    """What :func:`checkpoint_tensors` gives for a sharded checkpoint (a DCP folder),
+    its DTensors gathered whole (torch's dcp_to_torch_save), keyed by name."""
+    import os
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(str(tmp_dir), f"whole-{abs(hash(str(path)))}.pt")
+    dcp_to_torch_save(str(path), out)
+    whole = torch.load(out, weights_only=True)
+    meta = torch.load(os.path.join(str(path), "meta.pt"), weights_only=True)["state"]
+    tensors = {f"whole.{k}": v for k, v in whole.items()}
+    buffers = {k: v for k, v in meta["model"].items() if torch.is_tensor(v)}
+    tensors.update({f"model.{k}": v for k, v in buffers.items()})
+    for name, state in meta["optimizer"]["optimizer"]["state"].items():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                tensors[f"state.{name}.{k}"] = v
+    return meta, tensors
+
+
+def assert_same_sharded_state(a_path, b_path, tmp_dir) -> None:
+    (a_meta, a), (b_meta, b) = (sharded_checkpoint_tensors(p, tmp_dir) for p in (a_path, b_path))
+    assert a_meta["step"] == b_meta["step"] and a.keys() == b.keys()
+    assert any(k.startswith("whole.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

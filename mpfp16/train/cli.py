@@ -184,6 +184,8 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                         "parameters" + default("fused"))
 
     g = p.add_argument_group("distributed")
+    g.add_argument("--shard", action="store_true",
+                   help="shard fp32 masters, gradients and optimizer state across ranks (FSDP2)" + default("shard"))
     g.add_argument("--allreduce-dtype", choices=WIRE_DTYPES,
                    help="dtype of the gradient allreduce" + default("allreduce_dtype", "the parameters' dtype"))
     g.add_argument("--allreduce-strategy", choices=STRATEGIES,

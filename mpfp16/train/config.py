@@ -104,6 +104,7 @@ class TrainConfig:
     max_grad_norm: float | None = None
     fused: str = "auto"  # auto | on | off
     # distributed
+    shard: bool = False  # FSDP2: fp32 masters, gradients and optimizer state sharded across ranks
     allreduce_dtype: str | None = None
     allreduce_strategy: str = "allreduce"
     powersgd_rank: int = 1  # PowerSGD's matrix_approximation_rank
@@ -157,6 +158,7 @@ class TrainConfig:
             raise ConfigError("--allreduce-strategy fp32_accumulate sends the parameters' own dtype; "
                               "drop --allreduce-dtype")
         self._validate_compression()
+        self._validate_shard()
         if self.rounding != "nearest" and self.master_weights:
             raise ConfigError(f"--rounding {self.rounding} needs --no-master-weights")
         if self.evaluate and self.resume is None:
@@ -188,6 +190,24 @@ class TrainConfig:
         if self.predivide_factor != 1:
             raise ConfigError(f"--allreduce-strategy {strategy} divides by the world size itself; drop "
                               "--predivide-factor")
+
+    def _validate_shard(self) -> None:
+        """--shard runs FSDP2 with fp32 masters and 16-bit compute: refuse what it has
+        no meaning for. --allreduce-dtype gives the reduce-scatter's dtype."""
+        if not self.shard:
+            return
+        if self.precision == "fp32":
+            raise ConfigError("--shard computes in 16 bits over sharded fp32 masters: use --precision fp16 or bf16")
+        if not self.master_weights:
+            raise ConfigError("--shard keeps fp32 masters by construction (the shards are the masters): drop "
+                              "--no-master-weights")
+        if self.fused == "on":
+            raise ConfigError("--fused on works on flat buffers; with --shard the optimizer's own step runs on the "
+                              "shards: drop --fused on")
+        for name in ("allreduce_strategy", "predivide_factor", "bucket_mb"):
+            if getattr(self, name) != _default(name):
+                raise ConfigError(f"{_flag(name)} configures DDP's allreduce; --shard reduce-scatters instead "
+                                  "(its dtype: --allreduce-dtype)")
 
     def changed_on_resume(self, saved: dict) -> list[tuple[str, object, object]]:
         """(name, saved value, value now) for each setting whose change would make a

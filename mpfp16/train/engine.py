@@ -21,6 +21,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from .. import distributed as mdist
+from .. import sharded_checkpoint
 from ..convert import NORM_TYPES, to_half
 from ..errors import CheckpointError, UserError, one_line
 from ..flat import flatten_parameters
@@ -75,8 +76,10 @@ class Trainer:
         # The sizes the epochs train at: a phase that starts at epoch 0 replaces --image-size.
         sizes = [self._image_size(0)] + [size for start, size in cfg.resize_phases if start > 0]
         models.check_image_sizes(cfg.task, cfg.arch, sizes)
-        self.last_path = os.path.join(cfg.checkpoint_dir, "last.pt")
-        self.best_path = os.path.join(cfg.checkpoint_dir, "best.pt")
+        # A sharded run's checkpoints are folders named by links (mpfp16/sharded_checkpoint.py).
+        suffix = ".dcp" if cfg.shard else ".pt"
+        self.last_path = os.path.join(cfg.checkpoint_dir, "last" + suffix)
+        self.best_path = os.path.join(cfg.checkpoint_dir, "best" + suffix)
         self.metrics_path = cfg.metrics or os.path.join(cfg.checkpoint_dir, "metrics.jsonl")
         self.lock = self._claim_run_dir()  # before any data is loaded or any kernel compiled
         try:
@@ -159,7 +162,8 @@ class Trainer:
             for path in earlier:  # --overwrite: the metrics file is truncated when it is opened
                 if path != self.metrics_path:
                     os.unlink(path)
-            stale = ckpt_io.remove_stale_temps(cfg.checkpoint_dir)
+            stale = ckpt_io.remove_stale_temps(cfg.checkpoint_dir) + sharded_checkpoint.remove_unreferenced(
+                cfg.checkpoint_dir)
             if stale:
                 logger.info("removed %d unfinished checkpoint writes from %s", len(stale), cfg.checkpoint_dir)
         except BaseException:
@@ -172,12 +176,23 @@ class Trainer:
         continues the run in its folder, its checkpoints when it starts from another
         one, and its metrics too when it starts fresh."""
         resume = self.cfg.resume
-        if resume == "auto" and os.path.isfile(self.last_path):
+        if resume == "auto" and os.path.exists(self.last_path):
             return []
-        if resume not in (None, "auto") and os.path.isfile(resume) and os.path.isfile(self.last_path) \
+        if resume == "auto":
+            self._refuse_other_kind()
+        if resume not in (None, "auto") and os.path.exists(resume) and os.path.exists(self.last_path) \
                 and os.path.samefile(resume, self.last_path):
             return []
         return rundir.existing_run(self.cfg.checkpoint_dir, self.metrics_path if resume is None else None)
+
+    def _refuse_other_kind(self) -> None:
+        """--resume auto in a folder whose run was sharded when this one is not, or the
+        reverse: say so, rather than start afresh beside it."""
+        other = os.path.join(self.cfg.checkpoint_dir, "last.pt" if self.cfg.shard else "last.dcp")
+        if os.path.exists(other):
+            fix = "without --shard" if self.cfg.shard else "with --shard"
+            raise UserError(f"{self.cfg.checkpoint_dir} holds {'an unsharded' if self.cfg.shard else 'a sharded'} "
+                            f"run ({os.path.basename(other)}): continue it {fix}")
 
     # ------------------------------------------------------------------ building
 
@@ -217,14 +232,18 @@ class Trainer:
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         dtype = TORCH_DTYPES[cfg.precision]
-        if dtype != torch.float32:
+        if cfg.shard:  # the fp32 parameters become the sharded masters
+            model = mdist.shard(model, dtype, reduce_dtype=TORCH_DTYPES.get(cfg.allreduce_dtype))
+        elif dtype != torch.float32:
             to_half(model, dtype)
         else:
             flatten_parameters(model)  # as to_half does: nothing moves when DDP wraps the model
         n = sum(p.numel() for p in model.parameters())
-        logger.info("model: %s, %.2fM parameters, %s%s", cfg.arch, n / 1e6, cfg.precision,
+        logger.info("model: %s, %.2fM parameters, %s%s%s", cfg.arch, n / 1e6, cfg.precision,
                     "" if cfg.precision == "fp32" else (" with fp32 master weights" if cfg.master_weights
-                                                        else " without master weights"))
+                                                        else " without master weights"),
+                    f", sharded over {self.info.world_size} process{'es' * (self.info.world_size > 1)} (FSDP2)"
+                    if cfg.shard else "")
         return model
 
     def _build_optimizer(self) -> FP16Optimizer:
@@ -252,7 +271,7 @@ class Trainer:
             raise UserError(str(exc)) from None
 
     def _wrap(self) -> nn.Module:
-        if not self.info.distributed:
+        if not self.info.distributed or self.cfg.shard:  # a sharded model is called as it is
             return self.model
         cfg = self.cfg
         return mdist.wrap(self.model, allreduce_dtype=TORCH_DTYPES.get(cfg.allreduce_dtype),
@@ -270,20 +289,23 @@ class Trainer:
         cfg = self.cfg
         path = cfg.resume
         if path == "auto":
-            path = self.last_path if os.path.isfile(self.last_path) else None
+            path = self.last_path if os.path.exists(self.last_path) else None
             path = mdist.broadcast_object(path)  # rank 0's file system decides
             logger.info("resume auto: %s", f"resuming from {path}" if path else f"no {self.last_path}, starting fresh")
         if path is None:
             if cfg.evaluate:
                 raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
             return
-        try:
-            ckpt = self._read_checkpoint(path)
-            found = {"path": path, "step": ckpt.get("step"), "error": None,
-                     "digest": ckpt_io.digest(path) if self.info.distributed else None}
-        except CheckpointError as exc:
-            ckpt, found = None, {"path": path, "error": str(exc)}
-        ckpt_io.check_same_everywhere(mdist.all_gather_object(found))
+        if cfg.shard:  # one collective read: every rank gets the same error, if any
+            ckpt = self._read_sharded_checkpoint(path)
+        else:
+            try:
+                ckpt = self._read_checkpoint(path)
+                found = {"path": path, "step": ckpt.get("step"), "error": None,
+                         "digest": ckpt_io.digest(path) if self.info.distributed else None}
+            except CheckpointError as exc:
+                ckpt, found = None, {"path": path, "error": str(exc)}
+            ckpt_io.check_same_everywhere(mdist.all_gather_object(found))
         changes = [] if cfg.evaluate else self._changed_settings(path, ckpt)
         self._load(path, ckpt, changes)
         mdist.check_replicas(self.model, self.opt, context=f" after resuming from {path}")
@@ -291,7 +313,17 @@ class Trainer:
 
     @staticmethod
     def _read_checkpoint(path: str) -> dict:
+        if sharded_checkpoint.is_checkpoint(path):
+            raise CheckpointError(f"{path} is a sharded run's checkpoint: resume it with --shard")
         ckpt = ckpt_io.load(path, map_location="cpu")  # RNG states must stay CPU tensors
+        if ckpt.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{path} is not an mpfp16 training checkpoint (no 'format': '{CHECKPOINT_FORMAT}')")
+        return ckpt
+
+    def _read_sharded_checkpoint(self, path: str) -> dict:
+        """Read a sharded checkpoint into this run's sharding: the model's own sharded
+        parameters receive the saved masters (any world size saved it)."""
+        ckpt = sharded_checkpoint.load(path, targets={"model": self.model.state_dict()})
         if ckpt.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path} is not an mpfp16 training checkpoint (no 'format': '{CHECKPOINT_FORMAT}')")
         return ckpt
@@ -396,7 +428,7 @@ class Trainer:
         """Compare weights, masters and optimizer state across ranks (every
         ``--check-replicas`` steps, before each checkpoint, at the end). BatchNorm
         statistics are rank 0's first, as DDP makes them at the next forward."""
-        if not (self.info.distributed and self.cfg.check_replicas) or self._checked_at == self.step:
+        if not (self.info.world_size > 1 and self.cfg.check_replicas) or self._checked_at == self.step:
             return
         started = time.perf_counter()
         mdist.broadcast_buffers(self.model)
@@ -428,10 +460,16 @@ class Trainer:
 
     def save(self, best: bool = False) -> None:
         """Write DIR/last.pt (and DIR/best.pt): every rank takes part (RNG states are
-        gathered), rank 0 writes."""
+        gathered), rank 0 writes. A sharded run writes DIR/last.dcp (and best.dcp),
+        every rank its shards."""
         self.check_replicas()  # never save a state the ranks do not share
         state = self._checkpoint()
-        if self.main:
+        if self.cfg.shard:  # every rank writes its shards
+            folder = sharded_checkpoint.save(self.last_path, state, tag=f"step{self.step}")
+            if best and self.main:
+                sharded_checkpoint.link(self.best_path, folder)
+                sharded_checkpoint.remove_unreferenced(self.cfg.checkpoint_dir)
+        elif self.main:
             ckpt_io.save_atomic(state, self.last_path)
             if best:
                 ckpt_io.copy_atomic(self.last_path, self.best_path)
@@ -592,6 +630,8 @@ class Trainer:
             "lr": self.opt.param_groups[0]["lr"], "grad_norm": self.opt.last_grad_norm,
             "samples_per_s": rate, "allreduce_calls": comm["allreduce_calls"],
             "allreduce_bytes": comm["allreduce_bytes"], "time": self.elapsed(),
+            **{key: comm[key] for key in ("reduce_scatter_calls", "reduce_scatter_bytes", "all_gather_calls",
+                                          "all_gather_bytes") if key in comm},
         })
 
     def _end_epoch(self, epoch: int, train_loss: float, seconds: float, samples: int) -> None:
@@ -618,14 +658,19 @@ class Trainer:
         loader = data_mod.make_loader(self.spec.val, self.val_sampler, self.cfg.batch_size, self.cfg.workers,
                                       self.device.type == "cuda", drop_last=False)
         k = min(5, self.spec.num_classes)
+        batches, spare = 0, None
         for images, labels in loader:
+            batches += 1
             images, labels = self._prepare(images), labels.to(self.device, non_blocking=True)
+            spare = images[:1]
             logits = model(images).float()
             top = logits.topk(k, dim=1).indices
             sums[0] += nn.functional.cross_entropy(logits, labels, reduction="sum").double()
             sums[1] += (top[:, 0] == labels).sum()
             sums[2] += (top == labels[:, None]).any(dim=1).sum()
             sums[3] += len(labels)
+        if self.cfg.shard:
+            self._even_out_forwards(batches, spare)
         if self.info.distributed:
             dist.all_reduce(sums)
         model.train()
@@ -633,6 +678,18 @@ class Trainer:
         count = max(count, 1.0)
         return {"val_loss": loss / count, "val_acc1": 100 * top1 / count, "val_acc5": 100 * top5 / count,
                 "val_samples": int(count)}
+
+    def _even_out_forwards(self, done: int, spare: torch.Tensor | None) -> None:
+        """A sharded model's forward is a collective (its all-gathers): a rank whose
+        validation shard has fewer batches runs forwards on one image (``spare``),
+        ignored, until it made as many as the rank with the most."""
+        per_rank = -(-len(self.spec.val) // self.info.world_size)
+        most = -(-per_rank // self.cfg.batch_size)
+        if spare is None:
+            size = self._image_size(self.epoch)
+            spare = torch.zeros(1, 3, size, size, device=self.device)
+        for _ in range(most - done):
+            self.model(spare)
 
     def finish(self) -> dict:
         self.check_replicas()  # nothing, when the last checkpoint already checked this step
@@ -659,7 +716,8 @@ def train(cfg: TrainConfig) -> dict:
     """Set up torch.distributed from the environment, run, and tear down. SIGTERM and
     SIGINT stop the run cleanly (mpfp16/train/preemption.py)."""
     cfg.validate()
-    info = mdist.init(backend=cfg.dist_backend, timeout_s=cfg.dist_timeout, device=cfg.device)
+    info = mdist.init(backend=cfg.dist_backend, timeout_s=cfg.dist_timeout, device=cfg.device,
+                      group_of_one=cfg.shard)
     signals = StopSignals(announce=info.is_main_process).install()
     trainer = None
     try:
