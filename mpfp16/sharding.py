@@ -24,6 +24,7 @@ subnormals; for N > 2 it differs in rounding only).
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -69,18 +70,23 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 class _Accounted:
     """Wraps one of FSDP2's default collectives and records its payload and time."""
 
-    def __init__(self, inner, stats: CommStats) -> None:
-        self.inner, self.stats = inner, stats
+    def __init__(self, inner, stats: CommStats, busy: list) -> None:
+        self.inner, self.stats, self.busy = inner, stats, busy
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
-    def _record(self, numel: int, dtype: torch.dtype, work):
-        self.stats.launched(numel, dtype)
-        if work is None:
+    def _record(self, numel: int, dtype: torch.dtype, started: float, work):
+        self.stats.launched(numel, dtype, at=started)
+
+        def done(_fut=None):
+            self.busy[0] += time.perf_counter() - started
             self.stats.finished()
+
+        if work is None:
+            done()
             return None
-        work.get_future().then(lambda _fut: self.stats.finished())
+        work.get_future().then(done)
         return work
 
 
@@ -90,18 +96,19 @@ def _accounted_comms(stats: ShardCommStats):
 
     class AccountedAllGather(_Accounted, AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            # What this rank sends: its shard, to each of the others (ring all-gather: its
-            # payload is the full buffer, as nccl-tests counts it).
+            # The payload is the whole gathered buffer, as nccl-tests counts an all-gather.
+            started = time.perf_counter()
             work = self.inner(output_tensor, input_tensor, group, async_op=async_op)
-            return self._record(output_tensor.numel(), output_tensor.dtype, work)
+            return self._record(output_tensor.numel(), output_tensor.dtype, started, work)
 
     class AccountedReduceScatter(_Accounted, ReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            started = time.perf_counter()
             work = self.inner(output_tensor, input_tensor, group, op, async_op=async_op)
-            return self._record(input_tensor.numel(), input_tensor.dtype, work)
+            return self._record(input_tensor.numel(), input_tensor.dtype, started, work)
 
-    return AccountedAllGather(DefaultAllGather(), stats.all_gather), \
-        AccountedReduceScatter(DefaultReduceScatter(), stats.reduce_scatter)
+    return (AccountedAllGather(DefaultAllGather(), stats.all_gather, stats._busy["all_gather"]),
+            AccountedReduceScatter(DefaultReduceScatter(), stats.reduce_scatter, stats._busy["reduce_scatter"]))
 
 
 class ShardCommStats:
@@ -111,6 +118,7 @@ class ShardCommStats:
     def __init__(self) -> None:
         self.all_gather = CommStats()
         self.reduce_scatter = CommStats()
+        self._busy = {"all_gather": [0.0], "reduce_scatter": [0.0]}  # seconds, summed over calls
 
     def new_round(self) -> None:
         self.all_gather.new_round()
@@ -118,12 +126,15 @@ class ShardCommStats:
 
     def pop_step(self) -> dict:
         """``{all_gather,reduce_scatter}_{calls,bytes,time_s,wait_s}`` since the last
-        call (see :meth:`mpfp16.comm.CommStats.pop_step` for the definitions), and
+        call (see :meth:`mpfp16.comm.CommStats.pop_step`; a round is a forward and its
+        backward, so the all-gathers' ``time_s`` spans both), ``*_busy_s``: each
+        collective's time from launch to result, summed over the calls, and
         ``allreduce_calls``/``allreduce_bytes`` (0: a sharded model allreduces nothing)."""
         out = {"allreduce_calls": 0, "allreduce_bytes": 0}
         for kind, stats in (("all_gather", self.all_gather), ("reduce_scatter", self.reduce_scatter)):
             for key, value in stats.pop_step().items():
                 out[key.replace("allreduce", kind)] = value
+            out[f"{kind}_busy_s"], self._busy[kind][0] = self._busy[kind][0], 0.0
         return out
 
 

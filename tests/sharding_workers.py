@@ -25,14 +25,14 @@ def trajectories(rank, steps, kwargs):
         mdist.teardown()
 
 
-def first_step(rank, clip):
+def first_step(rank, clip, loss_scale="dynamic"):
     """One step of each path from the same weights and batch: gradient norms and masters."""
     mdist.init(backend="gloo", device="cpu")
     try:
         out = {}
         for mode in S.MODES:
             torch.manual_seed(0)
-            call, opt, model = S.build(mode, S.tiny_model(4), clip=clip)
+            call, opt, model = S.build(mode, S.tiny_model(4), clip=clip, loss_scale=loss_scale)
             initial = S.masters(mode, model, opt)
             x, y = S.batch(0, 0, 4, 0, False)
             opt.zero_grad()
@@ -247,5 +247,26 @@ def memory(rank, optimizer):
     mdist.init(backend="gloo", device="cpu")
     try:
         return S.memory_rows("resnet9", [optimizer])
+    finally:
+        mdist.teardown()
+
+
+def stuck_scale(rank):
+    """NaN in one rank's batch at every step: the scale falls to its floor, then every
+    rank raises LossScaleStuckError at the same step."""
+    mdist.init(backend="gloo", device="cpu")
+    try:
+        torch.manual_seed(0)
+        scaler = mpfp16.DynamicLossScaler(init_scale=4.0, min_scale=1.0)
+        call, opt, model = S.build("sharded", S.tiny_model(4), loss_scale=scaler)
+        for step in range(50):
+            x, y = S.batch(step, 0, 4, 0, nan=True)
+            opt.zero_grad()
+            opt.backward(nn.functional.cross_entropy(call(x).float(), y))
+            try:
+                opt.step()
+            except mpfp16.LossScaleStuckError as exc:
+                return {"step": step, "error": str(exc), "skipped": opt.skipped_steps, "scale": opt.loss_scale}
+        return {"step": None}
     finally:
         mdist.teardown()

@@ -49,9 +49,10 @@ def test_four_ranks_differ_only_by_the_order_of_the_sum(tmp_path):
     assert c["max_loss_diff"] < 1e-2, c
 
 
-@pytest.mark.parametrize("clip", [1.0, 1e-3], ids=["not-clipping", "clipping"])
-def test_global_norm_and_clipping_match_clip_grad_norm(tmp_path, clip):
-    r0, r1 = run_workers(W.first_step, tmp_path, 2, args=(clip,))
+@pytest.mark.parametrize("clip,loss_scale", [(1.0, "dynamic"), (1e-3, "dynamic"), (1e-3, 512.0)],
+                         ids=["not-clipping", "clipping", "clipping-static-scale"])
+def test_global_norm_and_clipping_match_clip_grad_norm(tmp_path, clip, loss_scale):
+    r0, r1 = run_workers(W.first_step, tmp_path, 2, args=(clip, loss_scale))
     ddp, sharded = r0["ddp"], r0["sharded"]
     assert r1["sharded"]["norm"] == sharded["norm"]  # every rank the same global norm
     assert sharded["norm"] == pytest.approx(ddp["norm"], rel=1e-6)
@@ -136,3 +137,10 @@ def test_memory_per_rank_falls_with_the_ranks(tmp_path, optimizer, state):
     assert sharded["model_weights"] == 0 and sharded["model_grads"] == 0
     assert sharded["total"] == pytest.approx((8 + state) / 2, rel=0.02)
     assert ddp["total"] == pytest.approx(12 + state, rel=0.02)
+
+
+def test_a_scale_stuck_at_its_floor_stops_every_rank_at_the_same_step(tmp_path):
+    r0, r1 = run_workers(W.stuck_scale, tmp_path, 2)
+    assert r0["step"] is not None and r0["step"] == r1["step"]
+    assert r0["scale"] == 1.0 and r0["skipped"] == r1["skipped"] == r0["step"] + 1
+    assert "\n" not in r0["error"]

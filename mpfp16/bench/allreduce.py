@@ -20,7 +20,10 @@ Training-step view (``--model``). The gradients of a real model (a torchvision m
 on random images, or a GPT size from mpfp16.train.gpt on random tokens), synced
 by DDP with mpfp16's hooks, in up to four set-ups (``--setups``): an fp32 model; an
 fp16 model with the fp16 allreduce; fp16 with an fp32 allreduce; fp16 with the
-fp32-accumulate strategy. The optimizer is SGD with momentum.
+fp32-accumulate strategy; and, with ``fp16-sharded``, fp32 masters sharded by FSDP2
+(:func:`mpfp16.distributed.shard`), whose gradient reduce-scatters and parameter
+all-gathers replace the allreduce (its one-process row is the unsharded fp16 model).
+The optimizer is SGD with momentum.
 Each runs ``--accum`` micro-batches per optimizer step, once with an allreduce on
 every micro-batch and once with ``no_sync`` on all but the last; a one-process
 baseline (rank 0 alone, the others idle) gives the compute-only rate. The table
@@ -217,6 +220,8 @@ SETUPS = {  # key: (name, model precision, wrap() arguments)
     "fp32-bf16-compress": ("fp32, bf16_compress_hook", "fp32", {"strategy": "bf16_compress"}),
     "fp32-powersgd-r1": ("fp32, PowerSGD rank 1", "fp32", {"strategy": "powersgd", "powersgd_rank": 1}),
     "fp32-powersgd-r4": ("fp32, PowerSGD rank 4", "fp32", {"strategy": "powersgd", "powersgd_rank": 4}),
+    # fp32 masters sharded by FSDP2 (mpfp16.distributed.shard): reduce-scatter and all-gathers, no allreduce
+    "fp16-sharded": ("fp16, sharded (FSDP2)", "fp16", {"shard": True}),
 }
 DEFAULT_SETUPS = ("fp32", "fp16", "fp16-fp32-allreduce", "fp16-fp32-accumulate")
 MODES = ("single", "sync", "no_sync")  # 1 process; an allreduce every micro-batch; no_sync but the last
@@ -246,18 +251,44 @@ def _workload(args, rank: int, device: torch.device):
             (lambda net: nn.functional.cross_entropy(net(images), labels)))
 
 
-def _build(make_model, precision: str, device: torch.device, init_scale: float = 2.0**16):
+def _build(make_model, precision: str, device: torch.device, init_scale: float = 2.0**16, shard: bool = False):
     from ..convert import to_half
     from ..optimizer import FP16Optimizer
     from ..scaler import DynamicLossScaler
 
     torch.manual_seed(0)
     model = make_model().to(device)
-    if precision == "fp16":
+    if shard:
+        model = mdist.shard(model)
+    elif precision == "fp16":
         to_half(model)
     scaler = DynamicLossScaler(init_scale=init_scale) if precision == "fp16" else None
-    opt = FP16Optimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), loss_scale=scaler)
+    opt = FP16Optimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), loss_scale=scaler,
+                        model=model if shard else None)
     return model, opt
+
+
+def _comm_row(per_step: list[dict]) -> dict:
+    """The step view's communication columns, medians over the steps. A sharded model's
+    are its reduce-scatters and all-gathers together, and each kind on its own."""
+    def median(key):
+        return statistics.median(s[key] for s in per_step)
+
+    if "reduce_scatter_bytes" not in per_step[0]:
+        return {"bytes_per_step": median("allreduce_bytes"), "calls_per_step": median("allreduce_calls"),
+                "comm_ms": 1e3 * median("allreduce_time_s"), "exposed_ms": 1e3 * median("allreduce_wait_s")}
+    # Sharded: the all-gathers run through forward and backward, so the time counted is
+    # each collective's own, launch to result, summed; exposed: the reduce-scatters'
+    # time after backward's last one was launched.
+    kinds = ("reduce_scatter", "all_gather")
+    row = {"bytes_per_step": sum(median(f"{k}_bytes") for k in kinds),
+           "calls_per_step": sum(median(f"{k}_calls") for k in kinds),
+           "comm_ms": 1e3 * sum(median(f"{k}_busy_s") for k in kinds),
+           "exposed_ms": 1e3 * median("reduce_scatter_wait_s")}
+    for k in kinds:
+        row[f"{k}_bytes"] = median(f"{k}_bytes")
+        row[f"{k}_ms"] = 1e3 * median(f"{k}_busy_s")
+    return row
 
 
 def _steps(net, opt, loss, accum: int, steps: int, sync_every_micro: bool, stats) -> tuple[float, list[dict]]:
@@ -312,8 +343,9 @@ def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> l
             del model, opt
         dist.broadcast(single, src=0)
         # The same on every rank, starting from the settled scale.
-        model, opt = _build(make_model, precision, device, init_scale=float(single[1]))
-        ddp = mdist.wrap(model, bucket_mb=args.bucket_mb, **wrap_kw)
+        sharded = wrap_kw.get("shard", False)
+        model, opt = _build(make_model, precision, device, init_scale=float(single[1]), shard=sharded)
+        ddp = model if sharded else mdist.wrap(model, bucket_mb=args.bucket_mb, **wrap_kw)
         stats = mdist.comm_stats(ddp)
         if "single" in args.modes:
             rows.append({"setup": name, "key": key, "processes": 1, "no_sync": None, "its_per_s": float(single[0]),
@@ -328,14 +360,8 @@ def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> l
             dist.barrier()  # the peer has received everything: nothing sent still waits in a queue uncounted
             sent = wire.read() - before if wire is not None else 0
             rate = over_ranks(micro / seconds, device, dist.ReduceOp.MIN)  # the slowest rank sets the pace
-            row = {
-                "setup": name, "key": key, "processes": world, "no_sync": no_sync, "its_per_s": rate,
-                "bytes_per_step": statistics.median(s["allreduce_bytes"] for s in per_step),
-                "calls_per_step": statistics.median(s["allreduce_calls"] for s in per_step),
-                "comm_ms": 1e3 * statistics.median(s["allreduce_time_s"] for s in per_step),
-                "exposed_ms": 1e3 * statistics.median(s["allreduce_wait_s"] for s in per_step),
-                "skipped": opt.skipped_steps - skipped,
-            }
+            row = {"setup": name, "key": key, "processes": world, "no_sync": no_sync, "its_per_s": rate,
+                   **_comm_row(per_step), "skipped": opt.skipped_steps - skipped}
             if wire is not None:  # everything this node sent during the timed steps, per step
                 row["wire_bytes_per_step"] = over_ranks(sent / args.steps, device)
             rows.append(row)
@@ -343,12 +369,22 @@ def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> l
     return rows
 
 
+def _sharded_columns(r: dict) -> str:
+    if "reduce_scatter_bytes" not in r:
+        return f"{'-':>8}" * 4
+    return (f"{r['reduce_scatter_bytes'] / 1e6:>8.2f}{r['reduce_scatter_ms']:>8.1f}"
+            f"{r['all_gather_bytes'] / 1e6:>8.2f}{r['all_gather_ms']:>8.1f}")
+
+
 def model_table(rows: list[dict]) -> str:
     """One line per row; ``wire MB`` (what the busiest node sent on its interface per
-    step) when the rows were measured with ``--wire-iface``."""
+    step) when the rows were measured with ``--wire-iface``; for sharded rows, the
+    reduce-scatter (RS) and all-gather (AG) payloads and in-flight times apart."""
     wired = any("wire_bytes_per_step" in r for r in rows)
+    sharded = any("reduce_scatter_bytes" in r for r in rows)
     lines = [f"{'setup':<26}{'procs':>6}{'no_sync':>9}{'it/s/rank':>11}{'MB/step':>10}{'calls':>7}"
-             f"{'comm_ms':>9}{'exposed_ms':>11}{'skipped':>9}" + (f"{'wire MB':>9}" if wired else "")]
+             f"{'comm_ms':>9}{'exposed_ms':>11}{'skipped':>9}" + (f"{'wire MB':>9}" if wired else "")
+             + (f"{'RS MB':>8}{'RS ms':>8}{'AG MB':>8}{'AG ms':>8}" if sharded else "")]
     for r in rows:
         ns = "-" if r["no_sync"] is None else ("yes" if r["no_sync"] else "no")
         skipped = "-" if r["skipped"] is None else str(r["skipped"])
@@ -356,7 +392,8 @@ def model_table(rows: list[dict]) -> str:
         lines.append(f"{r['setup']:<26}{r['processes']:>6}{ns:>9}{r['its_per_s']:>11.2f}"
                      f"{r['bytes_per_step'] / 1e6:>10.2f}{r['calls_per_step']:>7.0f}{r['comm_ms']:>9.1f}"
                      f"{r['exposed_ms']:>11.1f}{skipped:>9}"
-                     + ((f"{wire / 1e6:>9.2f}" if wire is not None else f"{'-':>9}") if wired else ""))
+                     + ((f"{wire / 1e6:>9.2f}" if wire is not None else f"{'-':>9}") if wired else "")
+                     + (_sharded_columns(r) if sharded else ""))
     return "\n".join(lines)
 
 

@@ -46,7 +46,8 @@ def tiny_model(width: int = 8) -> nn.Module:
 
 
 def build(mode: str, model: nn.Module, optimizer: str = "sgd", clip: float | None = 1.0, fused: bool | None = False,
-          lr: float = 0.05, reduce_dtype: torch.dtype | None = None, predivide: float = 1.0):
+          lr: float = 0.05, reduce_dtype: torch.dtype | None = None, predivide: float = 1.0,
+          loss_scale="dynamic"):
     """(module to call, FP16Optimizer) for ``mode``: ``"ddp"`` (fp16 model with fp32
     masters, mpfp16's DDP) or ``"sharded"`` (:func:`mpfp16.distributed.shard`)."""
     if mode == "ddp":
@@ -60,7 +61,8 @@ def build(mode: str, model: nn.Module, optimizer: str = "sgd", clip: float | Non
         inner = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)
     else:
         inner = torch.optim.Adam(params, lr=lr * 0.02)
-    opt = FP16Optimizer(inner, max_grad_norm=clip, track_grad_norm=True, model=model, fused=fused)
+    opt = FP16Optimizer(inner, loss_scale=loss_scale, max_grad_norm=clip, track_grad_norm=True, model=model,
+                        fused=fused)
     if mode == "ddp" and dist.get_world_size() > 1:
         return mdist.wrap(model, predivide_factor=predivide), opt, model
     return model, opt, model
