@@ -22,9 +22,11 @@ def last_error_line(output: str, skip: tuple[str, ...] = ()) -> str:
     """The line of a failed child process's output that says why: the last one-line
     error (``error: ...``, or argparse's ``prog: error: ...``), else the last
     ``SomeError: ...`` of a traceback, else the last line (a launcher such as torchrun
-    prints its own summary after a worker's message). Lines containing any of
+    prints its own summary after a worker's message, whose lines it tags ``[rankN]:``). Lines containing any of
     ``skip`` (known noise) are ignored."""
-    lines = [line.strip() for line in output.splitlines() if line.strip() and not any(s in line for s in skip)]
+    # torchrun tags each line of a worker's stderr with "[rankN]: "
+    lines = [re.sub(r"^\[(?:default)?rank\d+\]:\s*", "", line.strip()) for line in output.splitlines()
+             if line.strip() and not any(s in line for s in skip)]
     errors = [line for line in lines if line.startswith("error:") or ": error: " in line]
     raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception): ", line)]
     return (errors or raised or lines or ["no output"])[-1]

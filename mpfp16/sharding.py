@@ -160,8 +160,8 @@ class _BufferSync:
     ``broadcast_buffers=True`` (under ``no_sync`` accumulation, at the first
     micro-batch of each step only)."""
 
-    def __init__(self, model: nn.Module, group) -> None:
-        self.model, self.group, self.next_forward = model, group, True
+    def __init__(self, group) -> None:
+        self.group, self.next_forward = group, True
 
     def before_forward(self, module, args) -> None:
         if not (module.training and torch.is_grad_enabled()):
@@ -249,7 +249,7 @@ def shard(model: nn.Module, param_dtype: torch.dtype = torch.float16, reduce_dty
     model._mpfp16_sync = True
     model.register_forward_pre_hook(lambda module, args: stats.new_round())
     if broadcast_buffers:
-        model.register_forward_pre_hook(_BufferSync(model, group).before_forward)
+        model.register_forward_pre_hook(_BufferSync(group).before_forward)
     return model
 
 

@@ -24,6 +24,9 @@ def test_two_ranks_follow_the_ddp_trajectory_bit_for_bit_with_the_same_skips(tmp
     torch.testing.assert_close(torch.tensor(r0["sharded"]["losses"]), torch.tensor(r0["ddp"]["losses"]), rtol=0,
                                atol=0, equal_nan=True)
     assert r0["ddp"]["scales"] == r0["sharded"]["scales"]
+    # BatchNorm statistics: rank 0's before each step's first forward, as DDP broadcasts them
+    for name, b in r0["ddp"]["buffers"].items():
+        assert torch.equal(r0["sharded"]["buffers"][name], b), name
 
 
 def test_accumulation_without_reduce_scatter_matches_ddp_no_sync(tmp_path):

@@ -3,13 +3,15 @@
     torchrun --nproc_per_node 2 -m mpfp16.bench.sharding trajectory [--steps 100] [--json PATH] [--plot PATH]
     python -m mpfp16.bench.sharding memory [--ranks 1,2,4] [--model resnet50] [--json PATH]
 
-``trajectory`` trains one small ResNet (resnet9 of width 8, BatchNorm, 32x32 inputs,
-batch 8 per rank, SGD with momentum and weight decay, clipping at 1.0 and dynamic
-loss scaling) twice in the same process group, on the same data: once as an fp16
+``trajectory`` trains one small ResNet (resnet9 of width 8, BatchNorm, on the embedded
+CIFAR-shaped images, batch 8 per rank, SGD with momentum and weight decay, clipping
+at 1.0 unless ``--clip 0``, dynamic loss scaling) twice in the same process group, on the same data: once as an fp16
 model with fp32 masters under DDP (``to_half``, ``wrap``), once sharded
 (``shard``), and prints the loss of each step, the steps each run skipped (one
 rank's batch holds a NaN at ``--nan-steps``, and the first steps overflow at the
-initial scale), and the largest difference between the two runs' fp32 masters.
+initial scale), and the largest difference between the two runs' fp32 masters; and
+a third run for the scale of rounding differences: the unsharded run again, its learning
+rate one fp32 ulp higher.
 
 ``memory`` launches ``torchrun --nproc_per_node N`` for each N of ``--ranks`` and
 reports, per rank, the bytes per parameter held between steps
@@ -37,6 +39,7 @@ from ..errors import last_error_line
 from ..optimizer import FP16Optimizer
 
 MODES = ("ddp", "sharded")
+BASELINE = "ddp, lr + 1 ulp"
 
 
 def tiny_model(width: int = 8) -> nn.Module:
@@ -68,14 +71,27 @@ def build(mode: str, model: nn.Module, optimizer: str = "sgd", clip: float | Non
     return model, opt, model
 
 
+_DATA: dict = {}
+
+
+def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable set of 2048 images (the embedded CIFAR-shaped data), normalized."""
+    if seed not in _DATA:
+        from ..train.data import synthetic_images
+
+        images, labels = synthetic_images(2048, 32, 10, seed=seed)
+        _DATA[seed] = ((images.float() / 255 - 0.5) / 0.25, labels)
+    return _DATA[seed]
+
+
 def batch(step: int, micro: int, per_rank: int, seed: int, nan: bool):
-    """This rank's slice of the global batch of ``step``; with ``nan``, rank 1's (or
-    the only rank's) first image is NaN."""
+    """This rank's slice of the global batch of ``step`` (drawn from :func:`_data`);
+    with ``nan``, rank 1's (or the only rank's) first image is NaN."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    images, labels = _data(seed)
     g = torch.Generator().manual_seed(seed * 100003 + step * 101 + micro)
-    images = torch.randn(per_rank * world, 3, 32, 32, generator=g)
-    labels = torch.randint(0, 10, (per_rank * world,), generator=g)
-    x, y = images[rank * per_rank:(rank + 1) * per_rank], labels[rank * per_rank:(rank + 1) * per_rank]
+    index = torch.randint(0, len(labels), (per_rank * world,), generator=g)[rank * per_rank:(rank + 1) * per_rank]
+    x, y = images[index], labels[index]
     if nan and rank == min(1, world - 1):
         x = x.clone()
         x[0, 0, 0, 0] = float("nan")
@@ -93,13 +109,13 @@ def masters(mode: str, model: nn.Module, opt: FP16Optimizer) -> dict[str, torch.
 
 def trajectory(mode: str, steps: int, seed: int = 0, per_rank: int = 8, accum: int = 1, nan_steps=(),
                optimizer: str = "sgd", width: int = 8, reduce_dtype: torch.dtype | None = None,
-               clip: float | None = 1.0, predivide: float = 1.0) -> dict:
+               clip: float | None = 1.0, predivide: float = 1.0, lr: float = 0.05) -> dict:
     """Train ``steps`` steps in ``mode`` in the current process group; every rank
     returns the same record: losses (mean over ranks), skipped steps, scales, norms,
     and the masters at the end."""
     torch.manual_seed(seed)
     call, opt, model = build(mode, tiny_model(width), optimizer, clip=clip, reduce_dtype=reduce_dtype,
-                             predivide=predivide)
+                             predivide=predivide, lr=lr)
     losses, skipped, scales, norms = [], [], [], []
     for step in range(steps):
         opt.zero_grad()
@@ -117,7 +133,8 @@ def trajectory(mode: str, steps: int, seed: int = 0, per_rank: int = 8, accum: i
         dist.all_reduce(total)
         losses.append(float(total) / dist.get_world_size())
     return {"mode": mode, "losses": losses, "skipped": skipped, "scales": scales, "grad_norms": norms,
-            "masters": masters(mode, model, opt)}
+            "masters": masters(mode, model, opt),
+            "buffers": {name: b.detach().clone() for name, b in model.named_buffers()}}
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -132,25 +149,27 @@ def compare(a: dict, b: dict) -> dict:
 
 
 def memory_rows(model_name: str, optimizers=("sgd", "adam")) -> list[dict]:
-    """Bytes per parameter held by this rank after one step, for each path."""
+    """Bytes per parameter held by this rank after one step that was not skipped
+    (the dynamic scale backs off first), for each path."""
     rows = []
     for optimizer in optimizers:
         for mode, fused in (("ddp", False), ("ddp", True), ("sharded", None)):
             torch.manual_seed(0)
-            model = _memory_model(model_name)
-            call, opt, model = build(mode, model, optimizer, clip=None)
-            if fused and not opt.fused:
-                opt = None
-            if opt is None:
-                continue
-            x = torch.randn(1, 3, 32, 32)
-            opt.zero_grad()
-            opt.backward(call(x).float().square().mean())
-            opt.step()
-            report = opt.memory_bytes_per_param()
+            call, opt, model = build(mode, _memory_model(model_name), optimizer, clip=None, fused=fused)
+            # ResNet-50's last BatchNorms see 2x2 positions per image at 64px: with 2 images at 32px
+            # (1x1) their fp16 backward overflows whatever the scale.
+            x = torch.randn(4, 3, 64, 64)
+            y = torch.randint(0, 10, (4,))
+            for _ in range(30):
+                opt.zero_grad()
+                opt.backward(nn.functional.cross_entropy(call(x).float(), y))
+                if opt.step():
+                    break
+            else:
+                raise RuntimeError(f"{mode} {optimizer}: every step overflowed (loss scale {opt.loss_scale:g})")
             rows.append({"ranks": dist.get_world_size(), "optimizer": optimizer,
                          "path": {False: "ddp (unfused)", True: "ddp (fused)", None: "sharded"}[fused],
-                         "params": sum(p.numel() for p in model.parameters()), **report})
+                         "params": sum(p.numel() for p in model.parameters()), **opt.memory_bytes_per_param()})
             del call, opt, model
     return rows
 
@@ -186,6 +205,11 @@ def _run_trajectory(args) -> int:
         runs = {mode: trajectory(mode, args.steps, args.seed, args.batch_size, args.accum, nan_steps,
                                  args.optimizer, args.width, clip=args.clip or None) for mode in MODES}
         result = compare(runs["ddp"], runs["sharded"])
+        # The scale of rounding differences: the unsharded run again, its learning rate one fp32 ulp higher.
+        lr = torch.nextafter(torch.tensor(0.05, dtype=torch.float32), torch.tensor(1.0)).item()
+        runs[BASELINE] = trajectory("ddp", args.steps, args.seed, args.batch_size, args.accum, nan_steps,
+                                    args.optimizer, args.width, clip=args.clip or None, lr=lr)
+        result["baseline"] = compare(runs["ddp"], runs[BASELINE])
         if info.rank == 0:
             print(f"{args.steps} steps, {info.world_size} ranks, batch {args.batch_size} per rank x {args.accum}, "
                   f"{args.optimizer}, clipping at {args.clip or 'none'}, NaN batches at steps {list(nan_steps)}")
@@ -194,35 +218,43 @@ def _run_trajectory(args) -> int:
             print(f"largest master difference: {result['max_master_diff']:.3g} ({result['worst']}, "
                   f"{result['max_master_diff_relative']:.3g} of its largest value); {result['identical_masters']} of "
                   f"{result['masters']} masters bit-identical; largest loss difference {result['max_loss_diff']:.3g}")
+            if "baseline" in result:
+                b = result["baseline"]
+                print(f"baseline, ddp against ddp with its learning rate one fp32 ulp higher: largest master "
+                      f"difference {b['max_master_diff']:.3g} ({b['worst']}, {b['max_master_diff_relative']:.3g} of "
+                      f"its largest value); largest loss difference {b['max_loss_diff']:.3g}")
             for step in range(0, args.steps, max(1, args.steps // 10)):
                 print(f"  step {step:4d}: loss ddp {runs['ddp']['losses'][step]:.6f}  sharded "
                       f"{runs['sharded']['losses'][step]:.6f}")
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"world_size": info.world_size, "steps": args.steps, **result,
-                               **{mode: {k: v for k, v in run.items() if k != "masters"} for mode, run in runs.items()}},
+                               **{mode: {k: v for k, v in run.items() if k not in ("masters", "buffers")}
+                                  for mode, run in runs.items()}},
                               f, indent=1)
             if args.plot:
-                _plot(runs, args.plot, info.world_size)
+                _plot(runs, args.plot, info.world_size, args.clip)
         return 0
     finally:
         mdist.teardown()
 
 
-def _plot(runs: dict, path: str, world: int) -> None:
+def _plot(runs: dict, path: str, world: int, clip: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, style in (("ddp", "-"), ("sharded", "--")):
-        ax.plot(runs[mode]["losses"], style, label=f"{mode} ({len(runs[mode]['skipped'])} skipped)")
+    for mode, style in (("ddp", "-"), ("sharded", "--"), (BASELINE, ":")):
+        if mode in runs:
+            ax.plot(runs[mode]["losses"], style, label=f"{mode} ({len(runs[mode]['skipped'])} skipped)")
     for step in runs["ddp"]["skipped"]:
         ax.axvline(step, color="grey", alpha=0.3)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean over ranks)")
-    ax.set_title(f"fp16 with fp32 masters, {world} ranks: DDP vs sharded (FSDP2)")
+    ax.set_title(f"fp16 with fp32 masters, {world} ranks, {f'clipping at {clip:g}' if clip else 'no clipping'}: "
+                 "DDP vs sharded (FSDP2)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -250,7 +282,7 @@ def _run_memory(args) -> int:
                    ",".join(args.optimizers), "--out", out]
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if proc.returncode != 0:
-                print(f"memory with {n} ranks failed: {last_error_line(proc.stderr)}", file=sys.stderr)
+                print(f"memory with {n} ranks failed: {last_error_line(proc.stdout + proc.stderr)}", file=sys.stderr)
                 return 1
             with open(out) as f:
                 rows += json.load(f)

@@ -1,0 +1,42 @@
+"""python -m mpfp16.bench.sharding: its command line, and the error line it reports."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpfp16.errors import last_error_line
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_memory_table_for_one_rank(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.sharding", "memory", "--ranks", "1", "--model",
+                           "resnet9", "--optimizers", "sgd", "--json", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {r["path"] for r in rows} >= {"ddp (unfused)", "sharded"}
+    sharded = next(r for r in rows if r["path"] == "sharded")
+    assert sharded["total"] == pytest.approx(12, rel=0.02)  # one rank: 4 + 4 + 4, no 16-bit copy kept
+    assert "| 1 | sgd | sharded |" in proc.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["memory", "--ranks", "x"], "expected comma-separated integers"),
+    (["memory", "--optimizers", "lamb"], "optimizers are sgd and adam"),
+    (["trajectory", "--json", "/nonexistent/dir/out.json"], "its folder does not exist"),
+])
+def test_bad_input_is_one_line(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.sharding", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+
+
+def test_error_line_of_a_torchrun_worker():
+    output = "[rank0]: Traceback (most recent call last):\n[rank0]: ValueError: bad batch\nE1130 failed\n====\n"
+    assert last_error_line(output) == "ValueError: bad batch"
