@@ -246,7 +246,7 @@ def refusals(rank):
 def memory(rank, optimizer):
     mdist.init(backend="gloo", device="cpu")
     try:
-        return S.memory_rows("resnet9", [optimizer])
+        return S.memory_rows("resnet9-w16", [optimizer], ["ddp", "sharded"], image_size=32)
     finally:
         mdist.teardown()
 

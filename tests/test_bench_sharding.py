@@ -15,11 +15,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_memory_table_for_one_rank(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.sharding", "memory", "--ranks", "1", "--model",
-                           "resnet9", "--optimizers", "sgd", "--json", str(out)], cwd=REPO, capture_output=True,
+                           "resnet9-w16", "--optimizers", "sgd", "--image-size", "32", "--json", str(out)], cwd=REPO,
+                          capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())
-    assert {r["path"] for r in rows} >= {"ddp (unfused)", "sharded"}
+    assert {r["path"] for r in rows} == {"ddp (unfused)", "ddp (fused)", "sharded"}
     sharded = next(r for r in rows if r["path"] == "sharded")
     assert sharded["total"] == pytest.approx(12, rel=0.02)  # one rank: 4 + 4 + 4, no 16-bit copy kept
     assert "| 1 | sgd | sharded |" in proc.stdout

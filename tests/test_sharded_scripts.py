@@ -103,6 +103,7 @@ def test_checkpoint_kinds_are_not_mixed(tmp_path, capsys):
          "is a file, not a sharded checkpoint folder"),
         (unsharded + ["--max-steps", "2", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
                       str(sharded / "last.dcp")], "is a sharded run's checkpoint: resume it with --shard"),
+        (TINY + ["--max-steps", "2", "--checkpoint-dir", str(sharded)], "holds an earlier run"),
         (TINY + ["--no-master-weights"], "drop --no-master-weights"),
         (TINY + ["--allreduce-strategy", "fp32_accumulate"], "--shard reduce-scatters instead"),
     ]

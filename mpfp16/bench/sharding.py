@@ -148,17 +148,20 @@ def compare(a: dict, b: dict) -> dict:
             "max_loss_diff": loss_diff, "same_skips": a["skipped"] == b["skipped"]}
 
 
-def memory_rows(model_name: str, optimizers=("sgd", "adam")) -> list[dict]:
+PATHS = {"ddp": ("ddp", False), "ddp-fused": ("ddp", True), "sharded": ("sharded", None)}
+
+
+def memory_rows(model_name: str, optimizers=("sgd", "adam"), paths=tuple(PATHS), image_size: int = 64) -> list[dict]:
     """Bytes per parameter held by this rank after one step that was not skipped
     (the dynamic scale backs off first), for each path."""
     rows = []
     for optimizer in optimizers:
-        for mode, fused in (("ddp", False), ("ddp", True), ("sharded", None)):
+        for mode, fused in (PATHS[p] for p in paths):
             torch.manual_seed(0)
             call, opt, model = build(mode, _memory_model(model_name), optimizer, clip=None, fused=fused)
             # ResNet-50's last BatchNorms see 2x2 positions per image at 64px: with 2 images at 32px
             # (1x1) their fp16 backward overflows whatever the scale.
-            x = torch.randn(4, 3, 64, 64)
+            x = torch.randn(4, 3, image_size, image_size)
             y = torch.randint(0, 10, (4,))
             for _ in range(30):
                 opt.zero_grad()
@@ -175,8 +178,8 @@ def memory_rows(model_name: str, optimizers=("sgd", "adam")) -> list[dict]:
 
 
 def _memory_model(name: str) -> nn.Module:
-    if name == "resnet9":
-        return tiny_model(64)
+    if name.startswith("resnet9"):  # resnet9 or resnet9-wN
+        return tiny_model(int(name.partition("-w")[2] or 64))
     import torchvision
 
     return torchvision.models.get_model(name, weights=None, num_classes=1000)
@@ -263,7 +266,7 @@ def _plot(runs: dict, path: str, world: int, clip: float) -> None:
 def _run_memory_rank(args) -> int:
     info = mdist.init(backend="gloo", device="cpu")
     try:
-        rows = memory_rows(args.model, args.optimizers)
+        rows = memory_rows(args.model, args.optimizers, args.paths, args.image_size)
         if info.rank == 0:
             with open(args.out, "w") as f:
                 json.dump(rows, f)
@@ -279,7 +282,8 @@ def _run_memory(args) -> int:
             out = os.path.join(folder, "rows.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m",
                    "mpfp16.bench.sharding", "memory-rank", "--model", args.model, "--optimizers",
-                   ",".join(args.optimizers), "--out", out]
+                   ",".join(args.optimizers), "--paths", ",".join(args.paths), "--image-size", str(args.image_size),
+                   "--out", out]
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if proc.returncode != 0:
                 print(f"memory with {n} ranks failed: {last_error_line(proc.stdout + proc.stderr)}", file=sys.stderr)
@@ -313,6 +317,14 @@ def _optimizers(text: str) -> list[str]:
     return names
 
 
+def _paths(text: str) -> list[str]:
+    names = [v for v in text.split(",") if v]
+    bad = [v for v in names if v not in PATHS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"paths are {', '.join(PATHS)}, got {text!r}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpfp16.bench.sharding", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -331,12 +343,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--plot", help="write the loss curves as an image here (default: none)")
     m = sub.add_parser("memory", help="bytes per parameter per rank for N ranks, DDP and sharded")
     m.add_argument("--ranks", type=_int_list, default=[1, 2, 4], help="world sizes (default: 1,2,4)")
-    m.add_argument("--model", default="resnet50", help="torchvision model name, or resnet9 (default: resnet50)")
+    m.add_argument("--model", default="resnet50", help="torchvision model name, or resnet9[-wN] (default: resnet50)")
     m.add_argument("--optimizers", type=_optimizers, default=["sgd", "adam"], help="(default: sgd,adam)")
+    m.add_argument("--paths", type=_paths, default=list(PATHS), help="of ddp, ddp-fused, sharded (default: all)")
+    m.add_argument("--image-size", type=int, default=64, help="of the 4 random images per rank (default: 64)")
     m.add_argument("--json", help="write the rows here (default: none)")
     r = sub.add_parser("memory-rank")  # one world size, launched by "memory"
     r.add_argument("--model", required=True)
     r.add_argument("--optimizers", type=_optimizers, required=True)
+    r.add_argument("--paths", type=_paths, required=True)
+    r.add_argument("--image-size", type=int, required=True)
     r.add_argument("--out", required=True)
     return parser
 

@@ -322,7 +322,19 @@ class Trainer:
 
     def _read_sharded_checkpoint(self, path: str) -> dict:
         """Read a sharded checkpoint into this run's sharding: the model's own sharded
-        parameters receive the saved masters (any world size saved it)."""
+        parameters receive the saved masters (any world size saved it). First the ranks
+        check that they see the same checkpoint (its meta.pt and DCP index), as for an
+        unsharded one: each reads its plain values from its own file system."""
+        try:
+            digest = "".join(ckpt_io.digest(os.path.join(path, name)) for name in (sharded_checkpoint.META,
+                                                                                    ".metadata"))
+            found = {"path": path, "step": sharded_checkpoint.read_meta(path)["state"].get("step"), "error": None,
+                     "digest": digest}
+        except CheckpointError as exc:
+            found = {"path": path, "error": str(exc)}
+        everywhere = mdist.all_gather_object(found)
+        if any(f["error"] is None for f in everywhere):  # where no rank can read it, load() says why
+            ckpt_io.check_same_everywhere(everywhere)
         ckpt = sharded_checkpoint.load(path, targets={"model": self.model.state_dict()})
         if ckpt.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path} is not an mpfp16 training checkpoint (no 'format': '{CHECKPOINT_FORMAT}')")

@@ -23,7 +23,7 @@ from ..errors import UserError, one_line
 
 __all__ = ["check_folder", "check_file", "existing_run", "RunLock", "CHECKPOINT_NAMES"]
 
-CHECKPOINT_NAMES = ("last.pt", "best.pt")
+CHECKPOINT_NAMES = ("last.pt", "best.pt", "last.dcp", "best.dcp")  # .dcp: links to sharded checkpoints
 LOCK_NAME = ".mpfp16.lock"
 
 
@@ -60,7 +60,7 @@ def check_file(path: str, what: str) -> None:
 def existing_run(folder: str, metrics_path: str | None) -> list[str]:
     """The files of an earlier run that a fresh start would replace: its checkpoints in
     ``folder`` and a metrics file that already holds records."""
-    found = [os.path.join(folder, name) for name in CHECKPOINT_NAMES if os.path.exists(os.path.join(folder, name))]
+    found = [os.path.join(folder, name) for name in CHECKPOINT_NAMES if os.path.lexists(os.path.join(folder, name))]
     if metrics_path and os.path.isfile(metrics_path) and os.path.getsize(metrics_path) > 0:
         found.append(metrics_path)
     return found
