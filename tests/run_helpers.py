@@ -4,6 +4,9 @@ metrics records and its checkpoint."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import torch
 
@@ -79,3 +82,34 @@ def assert_same_sharded_state(a_path, b_path, tmp_dir) -> None:
     assert any(k.startswith("whole.") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def children(pid) -> list[int]:
+    """PIDs whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def kill_a_worker_once_saved(proc, checkpoint, timeout: float = 120) -> str:
+    """Wait until a torchrun run (``proc``, 2 workers, output piped) has written
+    ``checkpoint``, SIGKILL its second worker, and return the run's output once it
+    ended, successfully: torchrun's restart must have resumed it."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(checkpoint):
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
+        time.sleep(0.02)
+    workers = children(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out  # the group restarted and resumed from the checkpoint
+    return out

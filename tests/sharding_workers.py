@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 
@@ -16,57 +17,62 @@ from mpfp16.bench import sharding as S
 from mpfp16.errors import CheckpointError
 
 
+def in_process_group(worker):
+    """Run ``worker(rank, ...)`` inside mpfp16.distributed.init() (gloo, from the
+    environment run_workers sets) and teardown()."""
+    @functools.wraps(worker)
+    def run(rank, *args):
+        mdist.init(backend="gloo", device="cpu")
+        try:
+            return worker(rank, *args)
+        finally:
+            mdist.teardown()
+
+    return run
+
+
+@in_process_group
 def trajectories(rank, steps, kwargs):
-    mdist.init(backend="gloo", device="cpu")
-    try:
-        runs = {mode: S.trajectory(mode, steps, width=4, per_rank=4, **kwargs) for mode in S.MODES}
-        return {"compare": S.compare(runs["ddp"], runs["sharded"]), **runs}
-    finally:
-        mdist.teardown()
+    runs = {mode: S.trajectory(mode, steps, width=4, per_rank=4, **kwargs) for mode in S.MODES}
+    return {"compare": S.compare(runs["ddp"], runs["sharded"]), **runs}
 
 
+@in_process_group
 def first_step(rank, clip, loss_scale="dynamic"):
     """One step of each path from the same weights and batch: gradient norms and masters."""
-    mdist.init(backend="gloo", device="cpu")
-    try:
-        out = {}
-        for mode in S.MODES:
-            torch.manual_seed(0)
-            call, opt, model = S.build(mode, S.tiny_model(4), clip=clip, loss_scale=loss_scale)
-            initial = S.masters(mode, model, opt)
-            x, y = S.batch(0, 0, 4, 0, False)
-            opt.zero_grad()
-            opt.backward(nn.functional.cross_entropy(call(x).float(), y))
-            assert opt.step()
-            out[mode] = {"norm": opt.last_grad_norm, "masters": S.masters(mode, model, opt), "initial": initial,
-                         "fp32": [name for name, p in model.named_parameters() if isinstance(
-                             dict(model.named_modules())[name.rpartition(".")[0]], NORM_TYPES)]}
-        return out
-    finally:
-        mdist.teardown()
-
-
-def comm_per_step(rank, accum):
-    mdist.init(backend="gloo", device="cpu")
-    try:
+    out = {}
+    for mode in S.MODES:
         torch.manual_seed(0)
-        call, opt, model = S.build("sharded", S.tiny_model(4))
-        stats = mdist.comm_stats(model)
-        rows = []
-        for step in range(2):
-            opt.zero_grad()
-            for micro in range(accum):
-                x, y = S.batch(step, micro, 4, 0, False)
-                with mdist.sync_gradients(model, micro == accum - 1):
-                    opt.backward(nn.functional.cross_entropy(call(x).float(), y) / accum)
-            opt.step()
-            rows.append(stats.pop_step())
-        from torch.distributed.fsdp import FSDPModule
+        call, opt, model = S.build(mode, S.tiny_model(4), clip=clip, loss_scale=loss_scale)
+        initial = S.masters(mode, model, opt)
+        x, y = S.batch(0, 0, 4, 0, False)
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(call(x).float(), y))
+        assert opt.step()
+        out[mode] = {"norm": opt.last_grad_norm, "masters": S.masters(mode, model, opt), "initial": initial,
+                     "fp32": [name for name, p in model.named_parameters() if isinstance(
+                         dict(model.named_modules())[name.rpartition(".")[0]], NORM_TYPES)]}
+    return out
 
-        units = sum(isinstance(m, FSDPModule) for m in model.modules())
-        return {"rows": rows, "units": units, "numel": sum(p.numel() for p in model.parameters())}
-    finally:
-        mdist.teardown()
+
+@in_process_group
+def comm_per_step(rank, accum):
+    torch.manual_seed(0)
+    call, opt, model = S.build("sharded", S.tiny_model(4))
+    stats = mdist.comm_stats(model)
+    rows = []
+    for step in range(2):
+        opt.zero_grad()
+        for micro in range(accum):
+            x, y = S.batch(step, micro, 4, 0, False)
+            with mdist.sync_gradients(model, micro == accum - 1):
+                opt.backward(nn.functional.cross_entropy(call(x).float(), y) / accum)
+        opt.step()
+        rows.append(stats.pop_step())
+    from torch.distributed.fsdp import FSDPModule
+
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    return {"rows": rows, "units": units, "numel": sum(p.numel() for p in model.parameters())}
 
 
 def _full(t):
@@ -95,66 +101,57 @@ def _train(model, opt, steps, start=0):
         opt.step()
 
 
+@in_process_group
 def save_sharded(rank, path, steps):
-    mdist.init(backend="gloo", device="cpu")
-    try:
-        model, opt = _sharded_adam(0)
-        _train(model, opt, steps)
-        sharded_checkpoint.save(path, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": steps})
-        return _snapshot(model, opt)
-    finally:
-        mdist.teardown()
+    model, opt = _sharded_adam(0)
+    _train(model, opt, steps)
+    sharded_checkpoint.save(path, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": steps})
+    return _snapshot(model, opt)
 
 
+@in_process_group
 def load_sharded(rank, path):
-    mdist.init(backend="gloo", device="cpu")
-    try:
-        model, opt = _sharded_adam(1)  # other initial weights: everything must come from the checkpoint
-        state = sharded_checkpoint.load(path, targets={"model": model.state_dict()})
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        return {**_snapshot(model, opt), "step": state["step"]}
-    finally:
-        mdist.teardown()
+    model, opt = _sharded_adam(1)  # other initial weights: everything must come from the checkpoint
+    state = sharded_checkpoint.load(path, targets={"model": model.state_dict()})
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return {**_snapshot(model, opt), "step": state["step"]}
 
 
+@in_process_group
 def failed_save_keeps_previous(rank, folder):
     """A save that fails on one rank after writing part of its shards: every rank gets
     one error, the link still names the previous checkpoint, which loads."""
     import torch.distributed.checkpoint as dcp
 
-    mdist.init(backend="gloo", device="cpu")
+    path = os.path.join(folder, "last.dcp")
+    model, opt = _sharded_adam(0)
+    _train(model, opt, 1)
+    sharded_checkpoint.save(path, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+    before = _snapshot(model, opt)
+    first = os.path.realpath(path)
+    _train(model, opt, 1, start=1)
+    real_write = dcp.FileSystemWriter.write_data
+
+    def failing_write(self, plan, planner):  # rank 1's disk fills up while writing its shards
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return real_write(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = failing_write
     try:
-        path = os.path.join(folder, "last.dcp")
-        model, opt = _sharded_adam(0)
-        _train(model, opt, 1)
         sharded_checkpoint.save(path, {"model": model.state_dict(), "optimizer": opt.state_dict()})
-        before = _snapshot(model, opt)
-        first = os.path.realpath(path)
-        _train(model, opt, 1, start=1)
-        real_write = dcp.FileSystemWriter.write_data
-
-        def failing_write(self, plan, planner):  # rank 1's disk fills up while writing its shards
-            if rank == 1:
-                raise OSError(28, "No space left on device")
-            return real_write(self, plan, planner)
-
-        dcp.FileSystemWriter.write_data = failing_write
-        try:
-            sharded_checkpoint.save(path, {"model": model.state_dict(), "optimizer": opt.state_dict()})
-            error = None
-        except CheckpointError as exc:
-            error = str(exc)
-        finally:
-            dcp.FileSystemWriter.write_data = real_write
-        still = os.path.realpath(path)
-        model2, opt2 = _sharded_adam(1)
-        state = sharded_checkpoint.load(path, targets={"model": model2.state_dict()})
-        opt2.load_state_dict(state["optimizer"])
-        return {"error": error, "first": first, "still": still, "before": before, "loaded": _snapshot(model2, opt2),
-                "listing": sorted(os.listdir(folder))}
+        error = None
+    except CheckpointError as exc:
+        error = str(exc)
     finally:
-        mdist.teardown()
+        dcp.FileSystemWriter.write_data = real_write
+    still = os.path.realpath(path)
+    model2, opt2 = _sharded_adam(1)
+    state = sharded_checkpoint.load(path, targets={"model": model2.state_dict()})
+    opt2.load_state_dict(state["optimizer"])
+    return {"error": error, "first": first, "still": still, "before": before, "loaded": _snapshot(model2, opt2),
+            "listing": sorted(os.listdir(folder))}
 
 
 class _Payload:
@@ -165,108 +162,97 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
+@in_process_group
 def unsafe_checkpoints(rank, folder):
     """Tampered checkpoints are refused in one line, and nothing in them runs."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    mdist.init(backend="gloo", device="cpu")
-    try:
-        model, opt = _sharded_adam(0)
-        _train(model, opt, 1)
-        results = {}
-        marker = os.path.join(folder, "pwned")
-        for case in ("code", "bytes", "missing-metadata", "garbage-meta"):
-            path = os.path.join(folder, case, "last.dcp")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            sharded_checkpoint.save(path, {"model": model.state_dict()})
-            md_path = os.path.join(path, ".metadata")
-            if rank == 0:
-                if case == "code":
-                    with open(md_path, "rb") as f:
-                        md = pickle.load(f)
-                    md.storage_meta = _Payload(marker)
-                    with open(md_path, "wb") as f:
-                        pickle.dump(md, f)
-                elif case == "bytes":
-                    with open(md_path, "rb") as f:
-                        md = pickle.load(f)
-                    key = next(iter(md.state_dict_metadata))
-                    md.state_dict_metadata[key] = BytesStorageMetadata()
-                    with open(md_path, "wb") as f:
-                        pickle.dump(md, f)
-                elif case == "missing-metadata":
-                    os.unlink(md_path)
-                else:
-                    with open(os.path.join(path, "meta.pt"), "wb") as f:
-                        f.write(b"\x80\x04garbage")
-            torch.distributed.barrier()
-            try:
-                sharded_checkpoint.load(path, targets={"model": model.state_dict()})
-                results[case] = None
-            except CheckpointError as exc:
-                results[case] = str(exc)
-        results["marker_written"] = os.path.exists(marker)
-        return results
-    finally:
-        mdist.teardown()
+    model, opt = _sharded_adam(0)
+    _train(model, opt, 1)
+    results = {}
+    marker = os.path.join(folder, "pwned")
+    for case in ("code", "bytes", "missing-metadata", "garbage-meta"):
+        path = os.path.join(folder, case, "last.dcp")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        sharded_checkpoint.save(path, {"model": model.state_dict()})
+        md_path = os.path.join(path, ".metadata")
+        if rank == 0:
+            if case == "code":
+                with open(md_path, "rb") as f:
+                    md = pickle.load(f)
+                md.storage_meta = _Payload(marker)
+                with open(md_path, "wb") as f:
+                    pickle.dump(md, f)
+            elif case == "bytes":
+                with open(md_path, "rb") as f:
+                    md = pickle.load(f)
+                key = next(iter(md.state_dict_metadata))
+                md.state_dict_metadata[key] = BytesStorageMetadata()
+                with open(md_path, "wb") as f:
+                    pickle.dump(md, f)
+            elif case == "missing-metadata":
+                os.unlink(md_path)
+            else:
+                with open(os.path.join(path, "meta.pt"), "wb") as f:
+                    f.write(b"\x80\x04garbage")
+        torch.distributed.barrier()
+        try:
+            sharded_checkpoint.load(path, targets={"model": model.state_dict()})
+            results[case] = None
+        except CheckpointError as exc:
+            results[case] = str(exc)
+    results["marker_written"] = os.path.exists(marker)
+    return results
 
 
+@in_process_group
 def refusals(rank):
     """What a sharded model refuses, each in one line."""
-    mdist.init(backend="gloo", device="cpu")
     out = {}
-    try:
-        def attempt(name, fn):
-            try:
-                fn()
-                out[name] = None
-            except (ValueError, TypeError, RuntimeError) as exc:
-                out[name] = f"{type(exc).__name__}: {exc}"
 
-        half = mpfp16.to_half(S.tiny_model(4))
-        attempt("to_half first", lambda: mdist.shard(half))
-        model = mdist.shard(S.tiny_model(4))
-        attempt("shard twice", lambda: mdist.shard(model))
-        sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
-        attempt("no masters", lambda: mpfp16.FP16Optimizer(sgd(), master_weights=False, model=model))
-        attempt("fused", lambda: mpfp16.FP16Optimizer(sgd(), fused=True, model=model))
-        attempt("no model", lambda: mpfp16.FP16Optimizer(sgd()))
-        opt = mpfp16.FP16Optimizer(sgd(), model=model)
-        out["type"] = type(opt).__name__
-        out["is FP16Optimizer"] = isinstance(opt, mpfp16.FP16Optimizer)
-        attempt("step without backward", opt.step)
-        x, y = S.batch(0, 0, 4, 0, False)
-        nn.functional.cross_entropy(model(x).float(), y).backward()
-        attempt("backward outside opt", opt.step)
-        return out
-    finally:
-        mdist.teardown()
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except (ValueError, TypeError, RuntimeError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    half = mpfp16.to_half(S.tiny_model(4))
+    attempt("to_half first", lambda: mdist.shard(half))
+    model = mdist.shard(S.tiny_model(4))
+    attempt("shard twice", lambda: mdist.shard(model))
+    sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    attempt("no masters", lambda: mpfp16.FP16Optimizer(sgd(), master_weights=False, model=model))
+    attempt("fused", lambda: mpfp16.FP16Optimizer(sgd(), fused=True, model=model))
+    attempt("no model", lambda: mpfp16.FP16Optimizer(sgd()))
+    opt = mpfp16.FP16Optimizer(sgd(), model=model)
+    out["type"] = type(opt).__name__
+    out["is FP16Optimizer"] = isinstance(opt, mpfp16.FP16Optimizer)
+    attempt("step without backward", opt.step)
+    x, y = S.batch(0, 0, 4, 0, False)
+    nn.functional.cross_entropy(model(x).float(), y).backward()
+    attempt("backward outside opt", opt.step)
+    return out
 
 
+@in_process_group
 def memory(rank, optimizer):
-    mdist.init(backend="gloo", device="cpu")
-    try:
-        return S.memory_rows("resnet9-w16", [optimizer], ["ddp", "sharded"], image_size=32)
-    finally:
-        mdist.teardown()
+    return S.memory_rows("resnet9-w16", [optimizer], ["ddp", "sharded"], image_size=32)
 
 
+@in_process_group
 def stuck_scale(rank):
     """NaN in one rank's batch at every step: the scale falls to its floor, then every
     rank raises LossScaleStuckError at the same step."""
-    mdist.init(backend="gloo", device="cpu")
-    try:
-        torch.manual_seed(0)
-        scaler = mpfp16.DynamicLossScaler(init_scale=4.0, min_scale=1.0)
-        call, opt, model = S.build("sharded", S.tiny_model(4), loss_scale=scaler)
-        for step in range(50):
-            x, y = S.batch(step, 0, 4, 0, nan=True)
-            opt.zero_grad()
-            opt.backward(nn.functional.cross_entropy(call(x).float(), y))
-            try:
-                opt.step()
-            except mpfp16.LossScaleStuckError as exc:
-                return {"step": step, "error": str(exc), "skipped": opt.skipped_steps, "scale": opt.loss_scale}
-        return {"step": None}
-    finally:
-        mdist.teardown()
+    torch.manual_seed(0)
+    scaler = mpfp16.DynamicLossScaler(init_scale=4.0, min_scale=1.0)
+    call, opt, model = S.build("sharded", S.tiny_model(4), loss_scale=scaler)
+    for step in range(50):
+        x, y = S.batch(step, 0, 4, 0, nan=True)
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(call(x).float(), y))
+        try:
+            opt.step()
+        except mpfp16.LossScaleStuckError as exc:
+            return {"step": step, "error": str(exc), "skipped": opt.skipped_steps, "scale": opt.loss_scale}
+    return {"step": None}

@@ -18,26 +18,12 @@ import train_cifar
 import train_imagenet
 from dist_helpers import free_port, run_workers
 from fake_data import write_fake_imagefolder
-from run_helpers import assert_same_final_state, records
+from run_helpers import assert_same_final_state, children, kill_a_worker_once_saved, records
 from mpfp16.train import checkpoint as ckpt_io
 from mpfp16.errors import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
-
-
-def children(pid):
-    """PIDs whose parent is `pid` (from /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
 
 
 def torchrun_cmd(args, max_restarts):
@@ -60,16 +46,7 @@ def test_elastic_restart_after_sigkill_is_bit_identical(cifar_root, tmp_path):
     killed_dir = tmp_path / "killed"
     proc = subprocess.Popen(torchrun_cmd(args + ["--checkpoint-dir", str(killed_dir)], 1), cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while not (killed_dir / "last.pt").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
-        time.sleep(0.02)
-    workers = children(proc.pid)
-    assert len(workers) == 2
-    os.kill(workers[1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    assert "resumed from" in out  # the group restarted and resumed from last.pt
+    kill_a_worker_once_saved(proc, killed_dir / "last.pt")
     assert sum(r["type"] == "config" for r in records(killed_dir / "metrics.jsonl")) == 2
 
     assert_same_final_state(tmp_path / "straight" / "last.pt", killed_dir / "last.pt")

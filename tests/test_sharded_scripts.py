@@ -1,16 +1,14 @@
 """--shard in the training scripts: exact resume, any world size, and what survives what."""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import train_cifar
 from dist_helpers import free_port
-from run_helpers import assert_same_sharded_state, records, run_main
+from run_helpers import assert_same_sharded_state, kill_a_worker_once_saved, records, run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1", "--synthetic-size", "200,40", "--shard"]
@@ -74,18 +72,7 @@ def test_elastic_restart_after_sigkill_is_bit_identical(tmp_path):
     assert straight.returncode == 0, straight.stderr[-2000:]
     killed = tmp_path / "killed"
     proc = torchrun(args + ["--checkpoint-dir", str(killed)], max_restarts=1, popen=True)
-    deadline = time.monotonic() + 120
-    while not (killed / "last.dcp").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint appeared"
-        time.sleep(0.02)
-    from test_faults import children
-
-    workers = children(proc.pid)
-    assert len(workers) == 2
-    os.kill(workers[1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    assert "resumed from" in out
+    kill_a_worker_once_saved(proc, killed / "last.dcp")
     assert_same_sharded_state(tmp_path / "straight" / "last.dcp", killed / "last.dcp", tmp_path)
 
 

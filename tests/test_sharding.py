@@ -29,8 +29,10 @@ def test_two_ranks_follow_the_ddp_trajectory_bit_for_bit_with_the_same_skips(tmp
         assert torch.equal(r0["sharded"]["buffers"][name], b), name
 
 
-def test_accumulation_without_reduce_scatter_matches_ddp_no_sync(tmp_path):
-    r0, _ = run_workers(W.trajectories, tmp_path, 2, args=(4, {"accum": 2, "clip": None}), timeout=240)
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard-after-forward", "keep-gathered"])
+def test_accumulation_without_reduce_scatter_matches_ddp_no_sync(tmp_path, reshard):
+    r0, _ = run_workers(W.trajectories, tmp_path, 2, args=(4, {"accum": 2, "clip": None,
+                                                              "reshard_after_forward": reshard}), timeout=240)
     assert r0["compare"]["max_master_diff"] == 0.0, r0["compare"]
 
 

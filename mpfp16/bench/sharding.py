@@ -50,14 +50,14 @@ def tiny_model(width: int = 8) -> nn.Module:
 
 def build(mode: str, model: nn.Module, optimizer: str = "sgd", clip: float | None = 1.0, fused: bool | None = False,
           lr: float = 0.05, reduce_dtype: torch.dtype | None = None, predivide: float = 1.0,
-          loss_scale="dynamic"):
+          loss_scale="dynamic", reshard_after_forward: bool = True):
     """(module to call, FP16Optimizer) for ``mode``: ``"ddp"`` (fp16 model with fp32
     masters, mpfp16's DDP) or ``"sharded"`` (:func:`mpfp16.distributed.shard`)."""
     if mode == "ddp":
         to_half(model)
         params = model.parameters()
     else:
-        model = mdist.shard(model, reduce_dtype=reduce_dtype)
+        model = mdist.shard(model, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward)
         params = model.parameters()
         fused = None
     if optimizer == "sgd":
@@ -109,13 +109,14 @@ def masters(mode: str, model: nn.Module, opt: FP16Optimizer) -> dict[str, torch.
 
 def trajectory(mode: str, steps: int, seed: int = 0, per_rank: int = 8, accum: int = 1, nan_steps=(),
                optimizer: str = "sgd", width: int = 8, reduce_dtype: torch.dtype | None = None,
-               clip: float | None = 1.0, predivide: float = 1.0, lr: float = 0.05) -> dict:
+               clip: float | None = 1.0, predivide: float = 1.0, lr: float = 0.05,
+               reshard_after_forward: bool = True) -> dict:
     """Train ``steps`` steps in ``mode`` in the current process group; every rank
     returns the same record: losses (mean over ranks), skipped steps, scales, norms,
     and the masters at the end."""
     torch.manual_seed(seed)
     call, opt, model = build(mode, tiny_model(width), optimizer, clip=clip, reduce_dtype=reduce_dtype,
-                             predivide=predivide, lr=lr)
+                             predivide=predivide, lr=lr, reshard_after_forward=reshard_after_forward)
     losses, skipped, scales, norms = [], [], [], []
     for step in range(steps):
         opt.zero_grad()
