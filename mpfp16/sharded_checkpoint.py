@@ -44,7 +44,7 @@ from .errors import CheckpointError, one_line
 from .serialization import load_weights_only
 from .sharding import is_sharded
 
-__all__ = ["FORMAT", "save", "load", "link", "is_checkpoint", "folder_of", "remove_unreferenced"]
+__all__ = ["FORMAT", "save", "load", "link", "is_checkpoint", "read_meta", "remove_unreferenced"]
 
 FORMAT = "mpfp16.sharded-checkpoint/1"
 META = "meta.pt"
@@ -105,11 +105,6 @@ def _flat_targets(targets, path: str, out: dict) -> dict:
 
 
 # ------------------------------------------------------------------ the folder
-
-
-def folder_of(path: str) -> str:
-    """The data folder a checkpoint link names (``path`` itself if it is a folder)."""
-    return os.path.realpath(path)
 
 
 def is_checkpoint(path: str) -> bool:

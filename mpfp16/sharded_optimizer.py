@@ -84,8 +84,6 @@ class ShardedFP16Optimizer(FP16Optimizer):
             # Only fp16 compute needs scaling: bf16 has fp32's exponent range.
             loss_scale = DynamicLossScaler() if self._param_dtype == torch.float16 else LossScaler(1.0)
         self.scaler = self._make_scaler(loss_scale, params)
-        self._rounding_rng = torch.Generator(device=params[0].device)
-        self._rounding_rng.manual_seed(rounding_seed)
         self._backend = ShardedBackend(optimizer, params, params[0].device_mesh.get_group())
         self._fused_requested = False
         self._prepared = True
