@@ -17,7 +17,19 @@ import torch
 
 from .errors import CheckpointError, one_line
 
-__all__ = ["load_weights_only"]
+__all__ = ["load_weights_only", "fsync_dir"]
+
+
+def fsync_dir(folder: str) -> None:
+    """Flush ``folder``'s entries (a rename or a new link in it) to disk."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # not every platform can open a folder
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_weights_only(path: str, map_location="cpu", allowed: tuple = (),

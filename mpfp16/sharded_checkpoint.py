@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError, one_line
-from .serialization import load_weights_only
+from .serialization import fsync_dir, load_weights_only
 from .sharding import is_sharded
 
 __all__ = ["FORMAT", "save", "load", "link", "is_checkpoint", "read_meta", "remove_unreferenced"]
@@ -112,21 +112,13 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, META))
 
 
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def link(path: str, data_folder: str) -> None:
     """Point the link ``path`` at ``data_folder`` (in the same folder), atomically."""
     parent = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(parent, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
     os.symlink(os.path.basename(data_folder), tmp)
     os.replace(tmp, path)
-    _fsync_dir(parent)
+    fsync_dir(parent)
 
 
 def remove_unreferenced(parent: str) -> list[str]:
@@ -195,9 +187,9 @@ def _finish(path: str, tmp: str, final: str, skeleton: dict) -> None:
         torch.save(meta, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     os.rename(tmp, final)
-    _fsync_dir(os.path.dirname(final))
+    fsync_dir(os.path.dirname(final))
     link(path, final)
     remove_unreferenced(os.path.dirname(final))
 

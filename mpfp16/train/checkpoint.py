@@ -18,21 +18,10 @@ import tempfile
 import torch
 
 from ..errors import CheckpointError, one_line
-from ..serialization import load_weights_only
+from ..serialization import fsync_dir, load_weights_only
 
 __all__ = ["save_atomic", "copy_atomic", "load", "digest", "check_same_everywhere", "describe_mismatch", "rng_state",
            "set_rng_state", "remove_stale_temps"]
-
-
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # not every platform can open a folder
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_atomic(path: str, write) -> None:
@@ -56,7 +45,7 @@ def _write_atomic(path: str, write) -> None:
         if isinstance(exc, OSError):
             raise CheckpointError(f"cannot write checkpoint {path}: {one_line(exc)}") from None
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 _TMP_SUFFIX = ".tmp"
