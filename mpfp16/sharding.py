@@ -167,9 +167,9 @@ class _BufferSync:
         if not (module.training and torch.is_grad_enabled()):
             return
         if self.next_forward and dist.get_world_size(self.group) > 1:
-            with torch.no_grad():
-                for buf in module.buffers():
-                    dist.broadcast(buf, src=dist.get_global_rank(self.group, 0), group=self.group)
+            from .distributed import broadcast_buffers  # distributed imports this module
+
+            broadcast_buffers(module, src=dist.get_global_rank(self.group, 0), process_group=self.group)
         self.next_forward = getattr(module, "_mpfp16_sync", True)
 
 
