@@ -9,7 +9,7 @@ from . import distributed
 from .convert import cast_floating, model_dtype, to_half
 from .flat import flatten_parameters
 from .optimizer import FP16Optimizer
-from .replicas import ReplicaDivergenceError
+from .errors import ReplicaDivergenceError
 from .scaler import DynamicLossScaler, LossScaler, LossScaleStuckError
 
 __all__ = [

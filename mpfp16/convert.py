@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from . import flat
 
-__all__ = ["NORM_TYPES", "HALF_DTYPES", "to_half", "model_dtype", "cast_floating"]
+__all__ = ["NORM_TYPES", "HALF_DTYPES", "to_half", "model_dtype", "cast_floating", "CastInputs", "outputs_to_fp32",
+           "keeps_fp32"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -25,6 +26,14 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.LayerNorm,
     nn.GroupNorm,
 ) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+
+def keeps_fp32(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters and buffers stay fp32 in a 16-bit model: the
+    one policy of :func:`to_half` and of :func:`mpfp16.distributed.shard` (which keeps
+    such layers as fp32 units). True for normalization layers (module docstring).
+    """
+    return isinstance(module, NORM_TYPES)
 
 
 def cast_floating(obj, dtype: torch.dtype):
@@ -41,24 +50,29 @@ def cast_floating(obj, dtype: torch.dtype):
     return obj
 
 
-def _cast_inputs_hook(dtype):
-    def hook(module, args, kwargs):
-        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+class CastInputs:
+    """A forward pre-hook that casts a module's floating-point inputs to ``dtype``.
+    A class at module level, not a closure, so that a converted model pickles."""
 
-    return hook
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
 
 
-def _outputs_to_fp32_hook(module, args, output):
+def outputs_to_fp32(module, args, output):
+    """A forward hook that casts a module's floating-point outputs to fp32."""
     return cast_floating(output, torch.float32)
 
 
 def _target_dtype(module: nn.Module, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if isinstance(module, NORM_TYPES) else dtype
+    return torch.float32 if keeps_fp32(module) else dtype
 
 
 def to_half(model: nn.Module, dtype: torch.dtype = torch.float16, cast_io: bool = True) -> nn.Module:
     """Convert ``model`` in place to 16-bit parameters and buffers, except normalization layers,
-    and place its trainable parameters in flat buffers (:func:`mpfp16.flatten_parameters`).
+    and place its parameters in flat buffers (:func:`mpfp16.flatten_parameters`).
 
     Call it after moving the model to its device and before wrapping it in
     DistributedDataParallel: then FP16Optimizer, built before or after DDP, adopts the
@@ -93,14 +107,13 @@ def to_half(model: nn.Module, dtype: torch.dtype = torch.float16, cast_io: bool 
     flat.flatten_parameters(model)
 
     if cast_io:
-        old = getattr(model, "_mpfp16_io_hooks", None)
-        if old is not None:
-            for handle in old:
-                handle.remove()
-        model._mpfp16_io_hooks = (
-            model.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True),
-            model.register_forward_hook(_outputs_to_fp32_hook),
-        )
+        casts = [hook for hook in model._forward_pre_hooks.values() if isinstance(hook, CastInputs)]
+        if casts:  # converted before: the same hooks, now casting to this dtype
+            for hook in casts:
+                hook.dtype = dtype
+        else:
+            model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True)
+            model.register_forward_hook(outputs_to_fp32)
     return model
 
 

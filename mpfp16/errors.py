@@ -18,6 +18,35 @@ def one_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def library_words(name: str, value) -> str:
+    """An option as the library's own API spells it, ``name=value``: the default wording
+    of validators that front ends (the scripts' flags) word their own way."""
+    return f"{name}={value!r}"
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What compiling a kernel with ``torch.compile`` can raise: dynamo's and inductor's
+    own errors (a missing or broken C++ compiler arrives as InductorError), a compiler
+    that cannot be run, and the recompile limit. Anything else is a bug and propagates.
+    A function, not a constant, because naming these imports torch's compiler stack:
+    call it only where a compile has run (``except compile_errors() as exc``)."""
+    import subprocess
+
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    return (
+        torch._dynamo.exc.TorchDynamoException,
+        torch._dynamo.exc.FailOnRecompileLimitHit,
+        torch._dynamo.exc.TritonUnavailableError,
+        torch._inductor.exc.InvalidCxxCompiler,
+        torch._inductor.exc.CppCompileError,
+        torch._inductor.exc.OperatorIssue,
+        subprocess.CalledProcessError,
+        OSError,
+    )
+
+
 def last_error_line(output: str, skip: tuple[str, ...] = ()) -> str:
     """The line of a failed child process's output that says why: the last one-line
     error (``error: ...``, or argparse's ``prog: error: ...``), else the last

@@ -8,11 +8,16 @@ at once, with no Python loop over tensors.
 Each parameter starts at a multiple of :data:`ALIGN` elements, so that every view
 keeps the alignment that vectorized GPU kernels and cuBLAS want. The gaps are zero
 and stay zero: their gradient is always zero, so no elementwise optimizer moves them.
+
+A buffer is recognized from the parameters themselves, with nothing attached to them:
+parameters that are views of one storage, laid out exactly as :class:`FlatLayout`
+lays them out and filling it, are a flat buffer (:meth:`FlatParams.adopt`). So a
+converted model pickles (``torch.save(model)`` keeps views of one storage as views of
+one storage) and its loaded copy is adopted as it is.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -20,7 +25,8 @@ import torch
 
 ALIGN = 16  # elements: 32 bytes of fp16, 64 bytes of fp32
 
-__all__ = ["ALIGN", "FlatLayout", "FlatParams", "is_dense", "place", "flatten_parameters", "check_movable"]
+__all__ = ["ALIGN", "FlatLayout", "FlatParams", "NotMovable", "is_dense", "place", "flatten_parameters",
+           "check_movable", "by_key"]
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -127,41 +133,55 @@ def restore(flat: torch.Tensor) -> None:
 
 
 class FlatParams:
-    """Parameters of one device and dtype, moved into one flat buffer (``data``).
+    """Parameters of one device and dtype that are views of one flat buffer (``data``),
+    in buffer order. Make one with :meth:`create` (which moves the parameters there)
+    or find one with :meth:`adopt` (which moves nothing)."""
 
-    Each parameter keeps its Python identity (every reference to it stays valid) and
-    is tagged with the buffer it lives in, so that a later :func:`place` of the same
-    parameters finds it and moves nothing. The buffer refers to its parameters only
-    weakly: it never keeps a model alive.
-    """
+    def __init__(self, params: list[torch.Tensor], layout: FlatLayout, data: torch.Tensor) -> None:
+        self.params, self.layout, self.data = params, layout, data
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.layout = FlatLayout.of(params)
-        self.data = self.layout.empty(params[0].dtype, params[0].device)
+    @classmethod
+    def create(cls, params: list[torch.Tensor]) -> FlatParams:
+        """Move ``params`` (one device and dtype) into a new flat buffer, in this order.
+        Each keeps its Python identity: every reference to it stays valid."""
+        layout = FlatLayout.of(params)
+        data = layout.empty(params[0].dtype, params[0].device)
         with torch.no_grad():
-            for p, view in zip(params, self.layout.views(self.data)):
+            for p, view in zip(params, layout.views(data)):
                 view.copy_(p)
                 repoint(p, view)
-                p._mpfp16_flat = self
-        self._params = [weakref.ref(p) for p in params]
+        return cls(list(params), layout, data)
 
-    @property
-    def params(self) -> list[torch.Tensor]:
-        """The parameters in buffer order (None for one that no longer exists)."""
-        return [ref() for ref in self._params]
+    @classmethod
+    def adopt(cls, params: list[torch.Tensor]) -> FlatParams | None:
+        """The flat buffer that ``params`` (in any order) fill exactly, each at the
+        place :class:`FlatLayout` gives it, or None: they are in several storages, or
+        other tensors share theirs, or they were moved (``.to()``, ``.half()``)."""
+        if not params:
+            return None
+        storage = params[0].untyped_storage()
+        if any(p.untyped_storage().data_ptr() != storage.data_ptr() for p in params):
+            return None
+        dtype, device = params[0].dtype, params[0].device
+        if any(p.dtype != dtype for p in params):
+            return None
+        ordered = sorted(params, key=lambda p: p.storage_offset())
+        try:
+            layout = FlatLayout.of(ordered)
+        except ValueError:
+            return None
+        base = ordered[0].storage_offset() - layout.offsets[0]
+        if base != 0 or storage.nbytes() != layout.total * params[0].element_size():
+            return None
+        for p, offset, stride in zip(ordered, layout.offsets, layout.strides):
+            if p.storage_offset() != offset or tuple(p.stride()) != stride:
+                return None
+        data = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (layout.total,))
+        return cls(ordered, layout, data)
 
-    def _in_place(self, p: torch.Tensor, i: int) -> bool:
-        return (p.untyped_storage().data_ptr() == self.data.untyped_storage().data_ptr()
-                and p.storage_offset() == self.data.storage_offset() + self.layout.offsets[i]
-                and p.shape == self.layout.shapes[i] and p.stride() == self.layout.strides[i])
 
-    def holds_exactly(self, params: list[torch.Tensor]) -> bool:
-        """True when ``params`` (in any order) are all of this buffer's parameters, each
-        still at its place (not moved by ``.to()``, ``.half()`` and the like)."""
-        mine = self.params
-        if len(params) != len(mine) or {id(p) for p in params} != {id(p) for p in mine if p is not None}:
-            return False
-        return all(self._in_place(p, i) for i, p in enumerate(mine))
+class NotMovable(RuntimeError):
+    """Parameters would have to move after DDP (or another gradient hook) took hold of them."""
 
 
 def _grad_accumulator_held(p: torch.Tensor) -> bool:
@@ -185,11 +205,11 @@ def check_movable(params: list[torch.Tensor]) -> None:
     """Raise if moving or converting ``params`` would detach hooks that DDP holds.
 
     Raises:
-        RuntimeError: one line that names the fix.
+        NotMovable: one line that names the fix.
     """
     held = [p for p in params if _grad_accumulator_held(p)]
     if held:
-        raise RuntimeError(
+        raise NotMovable(
             f"{len(held)} parameters (the first of shape {list(held[0].shape)}, {held[0].dtype}) would have to "
             "move into a flat buffer after DistributedDataParallel (or another gradient hook) took hold of "
             "them, which silently stops DDP from averaging their gradients: call mpfp16.to_half(model) (for "
@@ -198,35 +218,54 @@ def check_movable(params: list[torch.Tensor]) -> None:
         )
 
 
-def place(params: list[torch.Tensor]) -> FlatParams:
-    """Put ``params`` (one device and dtype) in one flat buffer and return it: the
-    buffer they already fill exactly, which moves nothing, or a new one, after
-    :func:`check_movable`."""
-    existing = getattr(params[0], "_mpfp16_flat", None)
-    if isinstance(existing, FlatParams) and existing.holds_exactly(params):
-        return existing
-    check_movable(params)
-    return FlatParams(params)
+def place(params: list[torch.Tensor]) -> list[FlatParams]:
+    """Put ``params`` (one device and dtype) in flat buffers and return them: the
+    buffers that some of them fill exactly are adopted as they are, and the rest, after
+    :func:`check_movable`, move into one new buffer, in the order given. A parameter
+    alone in its storage moves too (a model never flattened), unless it is the only one.
 
-
-def trainable_by_key(params) -> dict[tuple, list[torch.Tensor]]:
-    """Parameters that require grad, by (device, dtype), in the order given."""
-    by_key: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    Raises:
+        NotMovable: a parameter that is not in a buffer yet cannot move.
+    """
+    by_storage: dict[int, list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        if p.requires_grad:
-            by_key[(p.device, p.dtype)].append(p)
-    return by_key
+        by_storage[p.untyped_storage().data_ptr()].append(p)
+    # A lone parameter can fill its own storage exactly, as a buffer of one would: it
+    # counts as a buffer only when it is the only parameter of its device and dtype.
+    placed, rest = [], []
+    for ps in by_storage.values():
+        found = FlatParams.adopt(ps) if len(ps) > 1 or len(params) == 1 else None
+        if found is None:
+            rest.extend(ps)
+        else:
+            placed.append(found)
+    if rest:
+        order = {id(p): i for i, p in enumerate(params)}
+        rest.sort(key=lambda p: order[id(p)])
+        check_movable(rest)
+        placed.append(FlatParams.create(rest))
+    return placed
+
+
+def by_key(params, frozen_apart: bool = False) -> dict[tuple, list[torch.Tensor]]:
+    """Parameters by (device, dtype), or with ``frozen_apart`` by (device, dtype,
+    requires_grad), in the order given."""
+    grouped: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        grouped[(p.device, p.dtype, p.requires_grad) if frozen_apart else (p.device, p.dtype)].append(p)
+    return grouped
 
 
 def flatten_parameters(module: torch.nn.Module) -> torch.nn.Module:
-    """Place ``module``'s trainable parameters in flat buffers, one per device and
-    dtype, in ``module.parameters()`` order; returns ``module``.
+    """Place ``module``'s floating-point parameters in flat buffers, one per device,
+    dtype and ``requires_grad``, in ``module.parameters()`` order; returns ``module``.
 
     :func:`mpfp16.to_half` calls it. Call it yourself for a model that stays fp32,
     before wrapping it in DistributedDataParallel, so that FP16Optimizer has nothing
     left to move whichever of the two is built first. Calling it again moves nothing.
-    Frozen parameters (``requires_grad=False``) stay where they are.
+    Frozen parameters get buffers of their own, so that an optimizer over the
+    trainable ones alone, or over all of them, adopts the buffers as they are.
     """
-    for params in trainable_by_key(module.parameters()).values():
+    for params in by_key((p for p in module.parameters() if p.is_floating_point()), frozen_apart=True).values():
         place(params)
     return module

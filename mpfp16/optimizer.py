@@ -1,17 +1,16 @@
 """FP16Optimizer: fp32 master weights, loss scaling and one clean optimizer step.
 
 The wrapper takes any ``torch.optim`` optimizer built over a 16-bit model's
-parameters. The parameters live in flat buffers, one per (device, dtype): those that
-:func:`mpfp16.to_half` made (adopted as they are, so the wrapper may be built before
-or after DDP), or, for parameters that are not in one, buffers it makes (mpfp16/flat.py
-refuses to move parameters that DDP already holds). Their gradients are views of a
-flat buffer of the same layout, and the fp32 masters of the 16-bit parameters live in
-one too (mpfp16/groups.py); the masters replace the model's parameters in the inner
-optimizer's ``param_groups``. fp32 parameters (normalization layers) are stepped
-directly.
+parameters. Where the parameters live is a *store* (mpfp16/stores/), chosen from the
+parameters: flat buffers (those :func:`mpfp16.to_half` made, adopted as they are, so
+the wrapper may be built before or after DDP); per-tensor, for 16-bit parameters that
+can no longer move (a ``.half()`` model already held by DDP); or FSDP2's shards, for a
+model made by :func:`mpfp16.distributed.shard`. The masters replace the model's
+parameters in the inner optimizer's ``param_groups``; fp32 parameters (normalization
+layers) are stepped directly.
 
 :meth:`FP16Optimizer.step` runs the project's step, in this order, each phase a
-method below:
+method below or the store's:
 
 1. check ready: a backward pass reached the parameters, through ``backward()``;
 2. unscale and find inf: fp32 gradients = 16-bit gradients / scale, and whether any
@@ -22,10 +21,9 @@ method below:
 6. copy back: the new 16-bit weights;
 7. update the scale.
 
-Phases 2, 5 and 6 run on one of two interchangeable backends (mpfp16/backends/): the
-unfused one (the inner optimizer's own ``step()``), or, for SGD, Adam and AdamW, the
-fused one (one compiled kernel per flat segment that does 5 and 6 in one pass, and
-reads the 16-bit gradients directly in 2).
+The flat store runs phases 2, 5 and 6 unfused (the inner optimizer's own ``step()``)
+or, for SGD, Adam and AdamW, fused (one compiled kernel per flat segment that does 5
+and 6 in one pass, and reads the 16-bit gradients directly in 2).
 """
 
 from __future__ import annotations
@@ -37,41 +35,91 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
-from . import flat
-from .backends import fused as fused_backend
-from .backends.unfused import UnfusedBackend
 from .convert import HALF_DTYPES
-from .distributed import get_world_size, is_main_process
-from .errors import FusedStepUnavailable, one_line
-from .groups import FlatGroup, is_master
+from .errors import FusedStepUnavailable, library_words, one_line
+from .parallel.base import any_rank, failures, is_main_process
 from .rounding import ROUNDINGS
 from .scaler import DynamicLossScaler, LossScaler
+from .stores import ParamStore, build_store, store_type
+from .stores.flat import is_master
+from .stores.fused import fast_path_flag, unsupported_reason
 
-__all__ = ["FP16Optimizer"]
+__all__ = ["FP16Optimizer", "check_options", "upgrade_state_dict", "STATE_FORMAT"]
 
 logger = logging.getLogger("mpfp16")
 
 _SUPPORTED_DTYPES = HALF_DTYPES + (torch.float32,)
 FUSED_MIN_NUMEL = 1 << 20  # below this, fused=None keeps the unfused step (no compile time)
-_STATE_FORMAT = "mpfp16.FP16Optimizer/1"
+STATE_FORMAT = "mpfp16.FP16Optimizer/2"
+# Formats written by earlier versions, and the store that wrote them.
+_EARLIER_FORMATS = {"mpfp16.FP16Optimizer/1": "flat", "mpfp16.FP16Optimizer/sharded-1": "sharded"}
+_LOCAL_STORES = ("flat", "per-tensor")  # the same state layout: either loads the other's
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+def check_options(*, master_weights: bool = True, rounding: str = "nearest", max_grad_norm: float | None = None,
+                  fused: bool | None = None, sharded: bool = False, reduce_overflow: bool = True,
+                  say=library_words) -> None:
+    """The rules between FP16Optimizer's options, in one place: the constructor calls
+    it, and so does a front end (the training scripts' config) that wants to refuse a
+    combination before building anything.
+
+    Args:
+        sharded: the model is sharded (:func:`mpfp16.distributed.shard`).
+        say: ``say(name, value)`` words an option as the caller spells it (default
+            ``name=value``; the scripts say ``--no-master-weights``).
+
+    Raises:
+        ValueError: one line naming the options in the caller's words.
+    """
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"{say('max_grad_norm', max_grad_norm)} must be positive or None")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+    if rounding != "nearest" and master_weights:
+        raise ValueError(f"{say('rounding', rounding)} needs {say('master_weights', False)}: it rounds 16-bit "
+                         "weights stepped directly")
+    if not sharded:
+        return
+    where = "a sharded model"
+    if not master_weights:
+        raise ValueError(f"{say('master_weights', False)} has no meaning for {where}: its sharded fp32 parameters "
+                         "are the master weights, from which FSDP2 makes the 16-bit weights at each forward; drop "
+                         f"{say('master_weights', False)}, or train without masters unsharded")
+    if fused:
+        raise ValueError(f"{say('fused', True)} is not possible for {where}: mpfp16's fused step works on flat "
+                         "buffers, and the inner optimizer's own step runs on the shards (build it with fused=True "
+                         f"for torch's fused kernel); drop {say('fused', True)}")
+    if not reduce_overflow:
+        raise ValueError(f"{say('reduce_overflow', False)} is not possible for {where}: each rank sees only its "
+                         "own shards' inf/NaN, so the ranks would make different skip decisions")
 
 
-def _holds_sharded(optimizer) -> bool:
-    from .sharding import is_sharded
+def upgrade_state_dict(state_dict) -> dict:
+    """An FP16Optimizer state_dict in this version's format: one written by an earlier
+    version gets the keys it lacked (its store, its parameters' names; the sharded one
+    keyed its state by name).
 
-    params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
-    return any(is_sharded(p) for p in params)
+    Raises:
+        ValueError: it is not an FP16Optimizer state_dict.
+    """
+    if not isinstance(state_dict, dict) or (state_dict.get("format") != STATE_FORMAT
+                                             and state_dict.get("format") not in _EARLIER_FORMATS):
+        raise ValueError(f"not an FP16Optimizer state_dict (no 'format': '{STATE_FORMAT}' entry)")
+    if state_dict["format"] == STATE_FORMAT:
+        return state_dict
+    store = _EARLIER_FORMATS[state_dict["format"]]
+    upgraded = {"store": store, "param_names": None, **state_dict, "format": STATE_FORMAT}
+    if store == "sharded":
+        names = list(state_dict["param_names"])
+        index = {name: i for i, name in enumerate(names)}
+        saved = state_dict["optimizer"]
+        upgraded["optimizer"] = {
+            "state": {index[name]: s for name, s in saved["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in saved["param_groups"]],
+        }
+        upgraded.update(master_params=[None] * len(names), kahan_compensation=[], rounding="nearest",
+                        master_weights=True, param_dtypes=["float32"] * len(names))
+    return upgraded
 
 
 class FP16Optimizer(torch.optim.Optimizer):
@@ -89,9 +137,10 @@ class FP16Optimizer(torch.optim.Optimizer):
         optimizer: any ``torch.optim.Optimizer`` built over the model's parameters
             (fp16, bf16 or fp32), after :func:`mpfp16.to_half` (or
             :func:`mpfp16.flatten_parameters`) and before or after wrapping the model
-            in DDP. It stays reachable as ``.optimizer``.
-        loss_scale: ``"dynamic"`` (a :class:`DynamicLossScaler`; for a model with no
-            fp16 parameter, bf16 or fp32, it means no scaling), a float (a static
+            in DDP; or over a model sharded by :func:`mpfp16.distributed.shard`. It
+            stays reachable as ``.optimizer``.
+        loss_scale: ``"dynamic"`` (a :class:`DynamicLossScaler`; for a model that
+            computes in no fp16, bf16 or fp32, it means no scaling), a float (a static
             scale), ``None`` (no scaling; non-finite gradients still skip the step),
             or a :class:`LossScaler` instance.
         master_weights: keep fp32 masters of the 16-bit parameters. ``False`` steps
@@ -99,27 +148,30 @@ class FP16Optimizer(torch.optim.Optimizer):
             ``step()`` and the new weight is rounded to the parameter's dtype, and no
             fp32 copy of the weights exists between steps.
         max_grad_norm: clip the global 2-norm of the unscaled fp32 gradients.
-        model: if given, every parameter of ``optimizer`` must belong to it.
+        model: if given, every parameter of ``optimizer`` must belong to it, and the
+            state_dict names them. Required for a sharded model.
         track_grad_norm: compute ``last_grad_norm`` even when not clipping.
         process_group: under torch.distributed, the ranks that must agree on skipping
             a step (default: all). The overflow flag is max-reduced across them, so
             every rank skips together even when only one rank's gradients overflowed
-            outside the data-parallel allreduce.
+            outside the data-parallel allreduce. A sharded model reduces it over the
+            group it is sharded over, as it reduces the gradient norm.
         reduce_overflow: set False when this rank steps alone while others run
             (a single-process baseline inside a distributed job); also an attribute.
+            Refused for a sharded model, whose ranks each see only their shards.
         fused: run the step of an SGD, Adam or AdamW inner optimizer as one compiled
-            kernel per flat buffer segment (mpfp16/backends/fused.py), with no fp32 gradient
-            buffer: bit-identical for SGD; for Adam the parameters differ in the last
-            bits where torch's CPU sqrt is not correctly rounded.
+            kernel per flat buffer segment (mpfp16/stores/fused.py), with no fp32
+            gradient buffer: bit-identical for SGD; for Adam the parameters differ in
+            the last bits where torch's CPU sqrt is not correctly rounded.
             ``None`` (default): when supported and either the model has at least 1M
             parameters (compiling takes seconds) or the inner optimizer was built
             with ``fused=True`` or ``foreach=True`` (asking for the fast step; where
             it cannot be taken, one log line says why, and the inner optimizer's own
-            step runs over the masters); ``True``: always (an error if the inner
-            optimizer is not supported); ``False``: never. The kernels compile
-            at the first step; if that fails on any rank, ``fused=True`` raises on
-            every rank, and ``None`` puts every rank on the unfused step with one
-            warning, so the ranks never take different paths.
+            step runs over the masters); ``True``: always (an error where it is not
+            supported); ``False``: never. The kernels compile before the first step
+            that needs them; if that fails on any rank, ``fused=True`` raises on every
+            rank before anything is stepped, and ``None`` puts every rank on the
+            unfused step with one warning, so the ranks never take different paths.
         rounding: how a new weight is rounded to 16 bits without master weights:
             ``"nearest"`` (updates under half an ulp vanish), ``"stochastic"``
             (unbiased: up or down at random, in proportion to the distance; seeded by
@@ -128,19 +180,14 @@ class FP16Optimizer(torch.optim.Optimizer):
             into the next update; 2 more bytes per parameter). With master weights
             only ``"nearest"`` applies.
 
-    Gradients live in persistent flat buffers, so ``zero_grad()`` zeroes them in place
-    (one fill per buffer) whatever ``set_to_none`` says, and a parameter that got no
-    gradient in a step is stepped with a zero gradient, as torch does after
-    ``zero_grad(set_to_none=False)``.
+    Every parameter the inner optimizer holds belongs to the store, frozen or not, and
+    is stepped in a step where it requires grad: a layer unfrozen after the optimizer
+    was built is stepped through its master from then on, and a layer frozen mid-run
+    stops moving. In flat buffers the gradients are persistent, so ``zero_grad()``
+    zeroes them in place (one fill per buffer) whatever ``set_to_none`` says, and a
+    parameter that requires grad but got no gradient in a step is stepped with a zero
+    gradient, as torch does after ``zero_grad(set_to_none=False)``.
     """
-
-    def __new__(cls, optimizer=None, *args, **kwargs):
-        # A model sharded by mpfp16.distributed.shard() gets the sharded step (mpfp16/sharded_optimizer.py).
-        if cls is FP16Optimizer and _holds_sharded(optimizer):
-            from .sharded_optimizer import ShardedFP16Optimizer
-
-            cls = ShardedFP16Optimizer
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -161,51 +208,59 @@ class FP16Optimizer(torch.optim.Optimizer):
             raise TypeError("the optimizer is already an FP16Optimizer; wrap the inner optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
-        if rounding != "nearest" and master_weights:
-            raise ValueError(f"rounding={rounding!r} applies to 16-bit weights stepped directly: "
-                             "pass master_weights=False")
         self.optimizer = optimizer
+        params = self._held_params(model)
+        kind = store_type(params)
+        check_options(master_weights=master_weights, rounding=rounding, max_grad_norm=max_grad_norm, fused=fused,
+                      sharded=kind.kind == "sharded", reduce_overflow=reduce_overflow)
+        refusal = kind.refusal(process_group=process_group, model=model)
+        if refusal:
+            raise ValueError(refusal)
         self.rounding = rounding
         self.master_weights = bool(master_weights)
         self.max_grad_norm = max_grad_norm
         self.track_grad_norm = bool(track_grad_norm)
-        self.process_group = process_group
         self.reduce_overflow = reduce_overflow
         self.skipped_steps = 0
         self.iteration = 0  # optimizer steps attempted, skipped ones included
         self._last_grad_norm: torch.Tensor | None = None
 
-        params = self._trainable_params(model)
-        reason = fused_backend.unsupported_reason(optimizer)
+        reason = unsupported_reason(optimizer)
         if fused and reason:
             raise ValueError(f"fused=True is not possible: {reason}")
-        self._groups = self._build_groups(params)
-        self.scaler = self._make_scaler(loss_scale, params)
-        self._rounding_rng = torch.Generator(device=self._groups[0].device)
+        self.store: ParamStore = build_store(optimizer, params, model=model, master_weights=self.master_weights,
+                                             rounding=rounding)
+        # The ranks that agree on a skip: those the store reduces its norm over, if it
+        # reduces one (a sharded model's mesh), else the caller's group.
+        self.process_group = self.store.group if self.store.group is not None else process_group
+        reason = reason or self.store.fused_unsupported()
+        if fused and reason:
+            raise ValueError(f"fused=True is not possible: {reason}")
+        if is_main_process():  # flat buffers are the rule; say so only when another store was chosen
+            logger.log(logging.DEBUG if self.store.kind == "flat" else logging.INFO, "FP16Optimizer: %s",
+                       self.store.explain())
+        names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+        self._names = [names.get(id(p)) for p in params] if model is not None else None
+        self.scaler = self._make_scaler(loss_scale, self.store.has_fp16)
+        self._rounding_rng = torch.Generator(device=self.store.device)
         self._rounding_rng.manual_seed(rounding_seed)
 
         # Replace each 16-bit parameter by its master in the inner optimizer.
-        to_master = {id(p): m for g in self._groups for p, m in zip(g.params, g.master_views)}
+        to_master = {id(p): m for p, m in zip(self.store.params, self.store.stepped)}
         for group in optimizer.param_groups:  # in place: LBFGS keeps a reference to its group's list
             group["params"][:] = [to_master.get(id(p), p) for p in group["params"]]
-        self._model_params = params  # inner param order
-        self._stepped = [to_master[id(p)] for p in params]
         self._shapes = [list(p.shape) for p in params]
         self._dtypes = [str(p.dtype).replace("torch.", "") for p in params]
 
-        numel = sum(g.layout.numel for g in self._groups)
-        asked = fused_backend.fast_path_flag(optimizer)  # the inner optimizer's fused=True / foreach=True
+        numel = sum(p.numel() for p in params)
+        asked = fast_path_flag(optimizer)  # the inner optimizer's fused=True / foreach=True
         use_fused = fused if fused is not None else (reason is None and (numel >= FUSED_MIN_NUMEL or asked is not None))
         if asked and not use_fused and is_main_process():
-            self._explain_no_fused_step(asked, reason)
-        backend = fused_backend.FusedBackend if use_fused else UnfusedBackend
-        self._backend = backend(optimizer, self._groups, self._stepped, rounding)
+            self._explain_no_fused_step(asked, unsupported_reason(optimizer), self.store.fused_unsupported())
+        if use_fused:
+            self.store.use_fused()
         self._fused_requested = fused is True
-        self._prepared = False  # the backend's prepare() ran
+        self._prepared: set[bool] = set()  # the fp32_grads values the store's kernels were prepared for
 
         # torch.optim.Optimizer's own set-up (hooks, the step patch schedulers rely on),
         # over the inner optimizer's groups; then share its param_groups and state, so
@@ -220,21 +275,10 @@ class FP16Optimizer(torch.optim.Optimizer):
         # they ran inside backward(). A flag, not a count: nested graph tasks
         # (reentrant activation checkpointing) fire the hook more than once per pass.
         self._in_backward = False
-        self._grads_arrived = False
-        self._grads_outside_backward = False
-        self._grads_after_unscale = False
-        self._unscaled: torch.Tensor | None = None  # found_inf, once unscale_() ran in this step
-        self._backward_scale: float | None = None
-        ref = weakref.ref(self)
-
-        def on_backward(_grad):
-            opt = ref()
-            if opt is not None:
-                opt._grads_arrived = True
-                opt._grads_outside_backward |= not opt._in_backward
-                opt._grads_after_unscale |= opt._unscaled is not None
-
-        self._grad_hook = register_multi_grad_hook(params, on_backward, mode="any")
+        self._grad_hook = None
+        self._hooked_for: tuple | None = None  # the requires_grad pattern the hook was registered for
+        self._new_step()
+        self._watch_gradients()
 
     def _share_inner_state(self) -> None:
         self.param_groups = self.optimizer.param_groups
@@ -243,7 +287,8 @@ class FP16Optimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- construction
 
-    def _trainable_params(self, model: torch.nn.Module | None) -> list[torch.Tensor]:
+    def _held_params(self, model: torch.nn.Module | None) -> list[torch.Tensor]:
+        """Every parameter the inner optimizer holds, in its order, checked."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         if getattr(self.optimizer, "state", None) and any(self.optimizer.state.values()):
             raise ValueError(
@@ -269,19 +314,12 @@ class FP16Optimizer(torch.optim.Optimizer):
                 )
             if not p.is_leaf:
                 raise ValueError(f"parameter {i} (shape {list(p.shape)}) is not a leaf tensor")
-        # Frozen parameters never get a gradient: the inner optimizer keeps them as they are.
-        params = [p for p in params if p.requires_grad]
         if not params:
-            raise ValueError("the optimizer has no parameter that requires grad")
+            raise ValueError("the optimizer holds no parameter")
         return params
 
-    def _build_groups(self, params: list[torch.Tensor]) -> list[FlatGroup]:
-        group_of = {id(p): gi for gi, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
-        return [FlatGroup(ps, self.master_weights, group_of, kahan=self.rounding == "kahan")
-                for ps in flat.trainable_by_key(params).values()]
-
     @staticmethod
-    def _make_scaler(loss_scale, params) -> LossScaler:
+    def _make_scaler(loss_scale, has_fp16: bool) -> LossScaler:
         if isinstance(loss_scale, LossScaler):
             return loss_scale
         if loss_scale is None:
@@ -290,27 +328,42 @@ class FP16Optimizer(torch.optim.Optimizer):
             if loss_scale != "dynamic":
                 raise ValueError(f"loss_scale must be 'dynamic', a number, None or a LossScaler; got {loss_scale!r}")
             # Only fp16 needs scaling: bf16 and fp32 have fp32's exponent range.
-            has_fp16 = any(p.dtype == torch.float16 for p in params)
             return DynamicLossScaler() if has_fp16 else LossScaler(1.0)
         if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
             return LossScaler(float(loss_scale))
         raise TypeError(f"loss_scale must be 'dynamic', a number, None or a LossScaler; got {type(loss_scale).__name__}")
 
+    def _explain_no_fused_step(self, asked: str, optimizer_reason: str | None, store_reason: str | None) -> None:
+        """One line for an inner optimizer built with fused=True or foreach=True whose
+        step is not mpfp16's fused one: its own step then runs over the fp32 masters."""
+        name = type(self.optimizer).__name__
+        own = f"torch's own {asked.split('=')[0]} step runs over the fp32 masters"
+        if optimizer_reason is not None:
+            logger.warning("%s(%s): mpfp16's fused step cannot take it (%s); %s", name, asked, optimizer_reason, own)
+        elif store_reason is not None:
+            logger.info("%s(%s): %s (mpfp16's fused step: %s)", name, asked, own, store_reason)
+        else:  # FP16Optimizer(fused=False)
+            logger.info("%s(%s) under FP16Optimizer(fused=False): %s, not mpfp16's fused step", name, asked, own)
 
     # ------------------------------------------------------------ Optimizer surface
 
     def model_params(self) -> list[torch.Tensor]:
-        """The model's trainable parameters, in the inner optimizer's order (that of
+        """The model's parameters the inner optimizer holds, in its order (that of
         :meth:`master_params` and of the state_dict's indices)."""
-        return list(self._model_params)
+        return list(self.store.params)
 
     def master_params(self) -> list[torch.Tensor]:
         """The fp32 tensors the inner optimizer steps, in its parameter order: the
-        masters of the 16-bit parameters and the fp32 parameters themselves. After
-        :meth:`unscale_` their ``.grad`` holds the unscaled fp32 gradients. Without
-        master weights the masters of 16-bit parameters hold values only inside
-        ``step()``; their gradients are there after ``unscale_()``."""
-        return list(self._stepped)
+        masters of the 16-bit parameters and the fp32 parameters themselves (the
+        shards of a sharded model). After :meth:`unscale_` their ``.grad`` holds the
+        unscaled fp32 gradients. Without master weights the masters of 16-bit
+        parameters hold values only inside ``step()``; their gradients are there after
+        ``unscale_()``."""
+        return list(self.store.stepped)
+
+    def param_names(self) -> list[str | None] | None:
+        """The names (in ``model``) of :meth:`model_params`, when ``model=`` was given."""
+        return None if self._names is None else list(self._names)
 
     @property
     def loss_scale(self) -> float:
@@ -319,7 +372,7 @@ class FP16Optimizer(torch.optim.Optimizer):
     @property
     def fused(self) -> bool:
         """Whether steps run the fused kernels (False after a fallback)."""
-        return self._backend.name == "fused"
+        return self.store.fused
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -338,7 +391,7 @@ class FP16Optimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (
             f"FP16Optimizer(master_weights={self.master_weights}, scaler={self.scaler!r}, "
-            f"max_grad_norm={self.max_grad_norm}, backend={self._backend.name},\n  {self.optimizer!r})"
+            f"max_grad_norm={self.max_grad_norm}, store={self.store.kind}, fused={self.fused},\n  {self.optimizer!r})"
         )
 
     # ------------------------------------------------------------------ the step
@@ -348,26 +401,56 @@ class FP16Optimizer(torch.optim.Optimizer):
         scale = self.scaler.scale
         scaled_loss = loss.float() if scale == 1.0 else loss.float() * scale
         self._backward_scale = scale  # what the gradients are unscaled by, should the scale change before
+        self._watch_gradients()
         self._in_backward = True
         try:
             scaled_loss.backward(**kwargs)
         finally:
             self._in_backward = False
+        if not self.store.hooks_gradients:  # the store's gradients arrive where no hook sees them (FSDP2)
+            self._backward_ran = True
+            self._grads_after_unscale |= self._unscaled is not None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero every gradient in place, one fill per flat buffer, and start a new step.
-
-        ``set_to_none`` is accepted for compatibility; the gradients are views into
-        persistent buffers and are zeroed rather than dropped.
-        """
-        for g in self._groups:
-            g.grads.zero_()
+        """Zero every gradient and start a new step: in flat buffers, in place, one fill
+        per buffer (the gradients are views into persistent buffers), whatever
+        ``set_to_none`` says; per tensor, as ``set_to_none`` says; a sharded model's
+        gradients are dropped."""
+        self.store.zero_grad(set_to_none)
         self._new_step()
+        self._watch_gradients()
 
     def _new_step(self) -> None:
         self._grads_arrived = self._grads_outside_backward = self._grads_after_unscale = False
-        self._unscaled = None
-        self._backward_scale = None
+        self._backward_ran = False
+        self._unscaled: torch.Tensor | None = None  # found_inf, once unscale_() ran in this step
+        self._backward_scale: float | None = None
+
+    def _watch_gradients(self) -> None:
+        """(Re-)register the hook that sees gradients arrive, over the parameters that
+        require grad now: a parameter unfrozen since is watched from here on."""
+        if not self.store.hooks_gradients:
+            return
+        pattern = tuple(p.requires_grad for p in self.store.params)
+        if pattern == self._hooked_for:
+            return
+        if self._grad_hook is not None:
+            self._grad_hook.remove()
+            self._grad_hook = None
+        self._hooked_for = pattern
+        watched = [p for p in self.store.params if p.requires_grad]
+        if not watched:
+            return
+        ref = weakref.ref(self)
+
+        def on_backward(_grad):
+            opt = ref()
+            if opt is not None:
+                opt._grads_arrived = True
+                opt._grads_outside_backward |= not opt._in_backward
+                opt._grads_after_unscale |= opt._unscaled is not None
+
+        self._grad_hook = register_multi_grad_hook(watched, on_backward, mode="any")
 
     @property
     def _grads_scale(self) -> float:
@@ -384,7 +467,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         ``.grad``: ``torch.nn.utils.clip_grad_norm_(opt.master_params(), 1.0)`` (or any
         clipping of your own) works, and ``step()`` does not unscale again. Calling it
         twice in a step does nothing the second time, as ``GradScaler.unscale_`` is
-        meant to be called once. With the fused backend it writes the fp32 gradients
+        meant to be called once. With the fused step it writes the fp32 gradients
         the fused step otherwise never materializes (4 bytes per parameter more).
 
         Raises:
@@ -396,8 +479,8 @@ class FP16Optimizer(torch.optim.Optimizer):
             self._refuse_grads_after_unscale()
             return
         self._check_ready()
-        self._prepare_backend(fp32_grads=True)
-        self._unscaled = self._backend.unscale(self._grads_scale, materialize=True, with_norm=False)
+        self._prepare_store(fp32_grads=True)
+        self._unscaled = self.store.unscale(self._grads_scale, materialize=True, with_norm=False)
         self._grads_after_unscale = False
 
     def _refuse_grads_after_unscale(self) -> None:
@@ -410,10 +493,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         """The copy-back phase alone: round the fp32 masters into the 16-bit model now.
         ``step()`` does it; code that steps the inner optimizer itself (a closure-driven
         LBFGS, mpfp16.compat.apex) calls this between its steps. Without master weights
-        there is nothing to copy."""
-        for g in self._groups:
-            if g.has_master:
-                g.weights.copy_(g.master)
+        there is nothing to copy, nor for a sharded model (the next forward gathers)."""
+        self.store.copy_masters_to_model()
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:
@@ -430,8 +511,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         found_inf = self._unscaled
         if found_inf is None:
             self._check_ready()
-            self._prepare_backend(fp32_grads=False)
-            found_inf = self._backend.unscale(self._grads_scale, materialize=False, with_norm=self._wants_norm)
+            self._prepare_store(fp32_grads=False)
+            found_inf = self.store.unscale(self._grads_scale, materialize=False, with_norm=self._wants_norm)
         else:
             self._refuse_grads_after_unscale()
         overflow = self._agree_on_overflow(found_inf)
@@ -441,91 +522,68 @@ class FP16Optimizer(torch.optim.Optimizer):
             self._skip()
             return False
         clip_coef = self._clip()
-        noise = self._noise()
-        self._backend.update(clip_coef, noise)
-        self._backend.copy_back(noise)
+        self.store.update(clip_coef, self._rounding_rng)
+        self.store.copy_back()
         self.scaler.update(False, step=self.iteration)
         return True
 
     # Phase 1: check ready.
 
     def _check_ready(self) -> None:
-        for g in self._groups:
-            g.check_params()
-        if not self._grads_arrived:
-            raise RuntimeError(
-                "step() was called but no backward pass reached the parameters since the "
-                "last step(): call opt.backward(loss) first"
-            )
-        if self.scaler.scale != 1.0 and self._grads_outside_backward:
+        self.store.check_ready()
+        present = self.store.gradients_present()
+        if present is None:  # the backward hook tells
+            # A parameter unfrozen since the hook was registered is not watched: trust it.
+            unwatched = tuple(p.requires_grad for p in self.store.params) != self._hooked_for
+            arrived, outside = self._grads_arrived or unwatched, self._grads_outside_backward
+        else:
+            arrived, outside = present, present and not self._backward_ran
+        if not arrived:
+            raise RuntimeError(self.store.no_gradient_message())
+        if self.scaler.scale != 1.0 and outside:
             raise RuntimeError(
                 f"gradients were computed outside opt.backward() while the loss scale is "
                 f"{self.scaler.scale:g}; they would be unscaled wrongly. Call opt.backward(loss)"
             )
 
-    def _explain_no_fused_step(self, asked: str, reason: str | None) -> None:
-        """One line for an inner optimizer built with fused=True or foreach=True whose
-        step is not mpfp16's fused one: its own step then runs over the fp32 masters."""
-        name = type(self.optimizer).__name__
-        if reason is None:  # FP16Optimizer(fused=False)
-            logger.info("%s(%s) under FP16Optimizer(fused=False): torch's own %s step runs over the fp32 "
-                        "masters, not mpfp16's fused step", name, asked, asked.split("=")[0])
-        else:
-            logger.warning("%s(%s): mpfp16's fused step cannot take it (%s); torch's own %s step runs over the "
-                           "fp32 masters", name, asked, reason, asked.split("=")[0])
-
-    def _prepare_backend(self, fp32_grads: bool) -> None:
-        """Before the first step: let the backend compile what it needs, and make every
-        rank take the same path. The fp32-gradient kernels of ``unscale_()`` are made
-        here if the first step calls it, otherwise at their first use.
+    def _prepare_store(self, fp32_grads: bool) -> None:
+        """Before the first step that needs them: let the store compile its kernels
+        (those that read the 16-bit gradients, or with ``fp32_grads`` also those that
+        read the fp32 gradients ``unscale_()`` makes, whenever ``unscale_()`` is first
+        called), and make every rank take the same path.
 
         A compile can fail on one rank only (a node without a working compiler, a full
-        disk), so the outcome is gathered across the process group. If any rank
-        failed, ``fused=True`` raises on every rank, naming the ranks and the reason;
-        the default (``fused=None``) moves every rank to the unfused backend, with one
-        warning. Errors other than compile errors are not caught."""
-        if self._prepared:
+        disk), so the outcome is gathered across the process group, before anything
+        is written. If any rank failed, ``fused=True`` raises on every rank, naming
+        the ranks and the reason; the default (``fused=None``) moves every rank to the
+        unfused step, with one warning. Errors other than compile errors are not caught."""
+        if not self.store.fused or fp32_grads in self._prepared:
             return
-        self._prepared = True
-        if self._backend.name != "fused":
-            return
-        from .backends.kernels import COMPILE_ERRORS
+        from .stores.kernels import COMPILE_ERRORS
 
         error = None
         try:
-            self._backend.prepare(fp32_grads=fp32_grads)
+            self.store.prepare(fp32_grads=fp32_grads)
         except COMPILE_ERRORS as exc:
             error = f"{type(exc).__name__}: {one_line(exc)}"
-        failures = self._gather_failures(error)
-        if not failures:
+        found = failures(error, group=self.process_group) if self.reduce_overflow else (
+            {0: error} if error is not None else {})
+        if not found:
+            self._prepared.add(fp32_grads)
+            if fp32_grads:
+                self._prepared.add(False)  # prepare(fp32_grads=True) compiles the 16-bit variants too
             return
-        where = ", ".join(f"rank {rank}" for rank in failures)
-        reason = next(iter(failures.values()))
+        where = ", ".join(f"rank {rank}" for rank in found)
+        reason = next(iter(found.values()))
         if self._fused_requested:
             raise FusedStepUnavailable(f"fused=True cannot be honoured: compiling the fused step failed on {where} "
                                        f"({reason})")
         if is_main_process():
             logger.warning("fused optimizer step unavailable: compiling failed on %s (%s); every rank uses the "
                            "unfused step", where, reason)
-        self._backend = UnfusedBackend(self.optimizer, self._groups, self._stepped, self.rounding)
+        self.store.use_unfused()
 
-    def _gather_failures(self, error: str | None) -> dict[int, str]:
-        """{rank: error} of the ranks whose compile failed, the same on every rank: one
-        small all_gather, and the messages only when something failed."""
-        if not (self.reduce_overflow and get_world_size() > 1):
-            return {0: error} if error is not None else {}
-        group = self.process_group
-        flag = torch.tensor([error is not None], dtype=torch.int32, device=self._groups[0].device)
-        flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(flags, flag, group=group)
-        if not any(bool(f.item()) for f in flags):
-            return {}
-        errors = [None] * len(flags)
-        dist.all_gather_object(errors, error, group=group)
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(len(errors))
-        return {rank: e for rank, e in zip(ranks, errors) if e is not None}
-
-    # Phase 2 is the backend's unscale(); phase 3: agree across ranks.
+    # Phase 2 is the store's unscale(); phase 3: agree across ranks.
 
     @property
     def _wants_norm(self) -> bool:
@@ -535,8 +593,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         """Max-reduce the inf/NaN flag over the process group and read it: the step's
         one host synchronization. After DDP's allreduce the gradients already agree;
         this makes the decision agree whatever happened to them since."""
-        if self.reduce_overflow and get_world_size() > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
+        if self.reduce_overflow:
+            return any_rank(found_inf, group=self.process_group)
         return bool(found_inf[0].item())
 
     # Phase 4: skip, or clip.
@@ -546,8 +604,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.skipped_steps += 1
         self._last_grad_norm = None
         self.zero_grad()
-        for g in self._groups:
-            g.release()
+        self.store.skip()
         old_scale = self.scaler.scale
         self.scaler.update(True, step=self.iteration)
         if is_main_process():
@@ -563,56 +620,39 @@ class FP16Optimizer(torch.optim.Optimizer):
         if not self._wants_norm:
             self._last_grad_norm = None
             return None
-        self._last_grad_norm = self._backend.grad_norm()
+        self._last_grad_norm = self.store.grad_norm()
         if self.max_grad_norm is None:
             return None
         return torch.clamp(self.max_grad_norm / (self._last_grad_norm + 1e-6), max=1.0)
 
-    def _noise(self) -> list[torch.Tensor | None]:
-        """Uniform [0, 1) values for stochastic rounding, one per 16-bit weight, from the
-        optimizer's own seeded generator (the same on every rank)."""
-        return [torch.rand(g.layout.total, generator=self._rounding_rng, device=g.device)
-                if self.rounding == "stochastic" and g.half else None for g in self._groups]
-
-    # Phases 5 and 6 are the backend's update() and copy_back(); 7 is the scaler's.
+    # Phases 5 and 6 are the store's update() and copy_back(); 7 is the scaler's.
 
     def memory_bytes_per_param(self) -> dict[str, float]:
-        """Bytes held between steps per trainable parameter, by kind of buffer.
+        """Bytes held between steps per parameter the optimizer holds, by kind of buffer.
 
         Keys: ``model_weights``, ``model_grads``, ``master_weights``,
         ``master_grads``, ``optimizer_state``, ``compensation`` (Kahan rounding) and
-        ``total``. Measured from the
-        storages actually allocated (flat-buffer alignment gaps included), so for a
-        large model fp16 with masters and SGD-momentum reads 2 + 2 + 4 + 4 + 4 = 16
-        with ``fused=False`` (2 + 2 + 4 + 0 + 4 = 12 fused: no fp32 gradients), and
-        without masters 2 + 2 + 0 + 0 + 4 = 8.
+        ``total``. Measured from the storages actually allocated (flat-buffer alignment
+        gaps included), so for a large model fp16 with masters and SGD-momentum reads
+        2 + 2 + 4 + 4 + 4 = 16 with ``fused=False`` (2 + 2 + 4 + 0 + 4 = 12 fused: no
+        fp32 gradients), and without masters 2 + 2 + 0 + 0 + 4 = 8. A sharded model
+        reports this rank's shards per parameter of the whole model.
         """
-        numel = sum(g.layout.numel for g in self._groups)
-        nbytes = storage_bytes
-        halves = [g for g in self._groups if g.half]
-        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        report = {
-            "model_weights": nbytes(g.weights for g in self._groups) / numel,
-            "model_grads": nbytes(g.grads for g in self._groups) / numel,
-            "master_weights": nbytes(g.master for g in halves) / numel,
-            "master_grads": nbytes(g.master_grads for g in halves) / numel,
-            "optimizer_state": nbytes(state) / numel,
-            "compensation": nbytes(g.comp for g in halves if g.comp is not None) / numel,
-        }
-        report["total"] = sum(report.values())
-        return report
+        return self.store.memory()
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
         """Masters, inner optimizer state and scaler state, all plain containers of
-        tensors and numbers: ``torch.load(path, weights_only=True)`` reads it."""
-        persistent = {id(m) for g in self._groups if g.has_master for m in g.master_views}
+        tensors and numbers: ``torch.load(path, weights_only=True)`` reads it. A
+        sharded model's tensors are DTensors (:mod:`mpfp16.checkpoint` saves them as a
+        DCP folder), and its masters are in the model's own state_dict."""
         return {
-            "format": _STATE_FORMAT,
+            "format": STATE_FORMAT,
+            "store": self.store.kind,
             "optimizer": self.optimizer.state_dict(),
             "master_weights": self.master_weights,
-            "master_params": [m if id(m) in persistent else None for m in self._stepped],
+            "param_names": self.param_names(),
             "param_shapes": self._shapes,
             "param_dtypes": self._dtypes,
             "scaler": self.scaler.state_dict(),
@@ -621,19 +661,26 @@ class FP16Optimizer(torch.optim.Optimizer):
             "iteration": self.iteration,
             "rounding": self.rounding,
             "rounding_rng": self._rounding_rng.get_state(),
-            "kahan_compensation": [g.comp for g in self._groups],
+            **self.store.state(),
         }
 
     def _check_state_dict(self, state_dict: dict) -> None:
         """Raise one line where ``state_dict`` was made by an optimizer of another
-        shape: other parameters, dtypes, masters, rounding or scaler."""
-        if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT:
-            raise ValueError("not an FP16Optimizer state_dict (no 'format': 'mpfp16.FP16Optimizer/1' entry)")
+        shape: other parameters, dtypes, masters, rounding, scaler or store."""
+        saved_store, store = state_dict["store"], self.store.kind
+        if saved_store != store and not (saved_store in _LOCAL_STORES and store in _LOCAL_STORES):
+            raise ValueError(f"the state_dict was saved by a {saved_store} store and this optimizer's is {store}: "
+                             "load it through mpfp16.checkpoint, which converts a checkpoint between the two")
         shapes = [list(s) for s in state_dict["param_shapes"]]
         if len(shapes) != len(self._shapes):
             raise ValueError(
                 f"optimizer state_dict is for {len(shapes)} parameters, this optimizer has {len(self._shapes)}"
             )
+        saved_names = state_dict.get("param_names")
+        if saved_names is not None and self._names is not None and list(saved_names) != self._names:
+            first = next(i for i, (a, b) in enumerate(zip(saved_names, self._names)) if a != b)
+            raise ValueError(f"optimizer state_dict is for other parameters: parameter {first} is "
+                             f"{saved_names[first]} in the state_dict and {self._names[first]} here")
         for i, (saved, mine) in enumerate(zip(shapes, self._shapes)):
             if saved != mine:
                 raise ValueError(
@@ -648,18 +695,13 @@ class FP16Optimizer(torch.optim.Optimizer):
         if saved_masters is None:  # written before the flag was saved: masters of 16-bit parameters tell
             saved_masters = any(m is not None for m, dtype in zip(state_dict["master_params"], self._dtypes)
                                 if dtype != "float32")
-        if any(g.half for g in self._groups) and bool(saved_masters) != self.master_weights:
+        if getattr(self.store, "has_half", False) and bool(saved_masters) != self.master_weights:
             raise ValueError(f"the state_dict was saved with master_weights={bool(saved_masters)} and this "
                              f"optimizer has master_weights={self.master_weights}")
         if state_dict.get("rounding", "nearest") != self.rounding:
             raise ValueError(f"the state_dict was saved with rounding={state_dict.get('rounding', 'nearest')!r} "
                              f"and this optimizer uses rounding={self.rounding!r}")
-        saved_comp = state_dict.get("kahan_compensation", [None] * len(self._groups))
-        for i, (g, comp) in enumerate(zip(self._groups, saved_comp)):
-            if g.comp is not None and (comp is None or comp.shape != g.comp.shape):
-                found = "none" if comp is None else f"{comp.numel()} elements"
-                raise ValueError(f"Kahan compensation buffer {i} has {found} in the state_dict and "
-                                 f"{g.comp.numel()} here")
+        self.store.check_state(state_dict)
         saved_scaler = state_dict["scaler_type"]
         if saved_scaler != type(self.scaler).__name__:
             raise ValueError(
@@ -668,36 +710,25 @@ class FP16Optimizer(torch.optim.Optimizer):
             )
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load what :meth:`state_dict` returned. Load the model's state first: without
-        saved masters (a checkpoint taken with ``master_weights=False``) the masters are
-        rebuilt from the model's weights. With saved masters the model's 16-bit weights
-        are set from them, so the two always agree.
+        """Load what :meth:`state_dict` returned (this version's, or an earlier one's).
+        Load the model's state first: without saved masters (a checkpoint taken with
+        ``master_weights=False``) the masters are rebuilt from the model's weights.
+        With saved masters the model's 16-bit weights are set from them, so the two
+        always agree. A flat store loads a per-tensor store's state and the reverse; a
+        sharded store's converts through :mod:`mpfp16.checkpoint`.
 
         Raises:
             ValueError: one line, before anything is changed, when the state_dict
                 does not fit this optimizer.
         """
+        state_dict = upgrade_state_dict(state_dict)
         self._check_state_dict(state_dict)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self._share_inner_state()  # the inner optimizer made new param_groups and state
-        self._backend.invalidate()
+        self.store.invalidate()
         self.scaler.load_state_dict(state_dict["scaler"])
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.iteration = int(state_dict["iteration"])
-        if "rounding_rng" in state_dict:
+        if state_dict.get("rounding_rng") is not None:
             self._rounding_rng.set_state(state_dict["rounding_rng"].cpu())
-        saved_masters = state_dict["master_params"]
-        position = {id(m): i for i, m in enumerate(self._stepped)}
-        with torch.no_grad():
-            for g, comp in zip(self._groups, state_dict.get("kahan_compensation", [])):
-                if g.comp is not None:
-                    g.comp.copy_(comp)
-            for g in self._groups:
-                if not g.has_master:
-                    continue
-                for p, m in zip(g.params, g.master_views):
-                    saved = saved_masters[position[id(m)]]
-                    m.copy_(p if saved is None else saved)
-                g.weights.copy_(g.master)
-            for g in self._groups:  # the model was loaded first: its weights are not stale
-                g.mark_synced()
+        self.store.load_state(state_dict)

@@ -7,7 +7,7 @@ exact. ``kahan`` keeps what each rounding lost in a 16-bit compensation buffer a
 adds it to the next update (Zamirai et al. 2020).
 
 These are plain torch operations: the unfused step runs them eagerly, and the fused
-kernels (mpfp16/backends/kernels.py) trace the same functions, so both round alike.
+kernels (mpfp16/stores/kernels.py) trace the same functions, so both round alike.
 """
 
 from __future__ import annotations

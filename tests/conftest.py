@@ -13,6 +13,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """A gloo process group of this process alone (an in-memory store), torn down after."""
+    import torch.distributed as dist
+
+    import mpfp16.distributed as mdist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        mdist.teardown()
+
+
 @pytest.fixture(scope="session")
 def cifar_root(tmp_path_factory):
     """A tiny CIFAR-10 in torchvision's format (tests/fake_data.py)."""

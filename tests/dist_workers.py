@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import mpfp16
 import mpfp16.distributed as mdist
+from mpfp16.parallel.handles import handle_of
 
 
 def mlp(seed=0, norm=None):
@@ -113,8 +114,8 @@ def fp32_accumulate_exact(rank, chunk_numel, sizes, small_numel):
     torch.manual_seed(0)
     params = nn.ParameterList([nn.Parameter(torch.zeros(n, dtype=torch.float16)) for n in sizes])
     ddp = mdist.wrap(params_module(params), strategy="fp32_accumulate")
-    ddp._mpfp16_hook_state.chunk_numel = chunk_numel
-    ddp._mpfp16_hook_state.small_numel = small_numel
+    handle_of(ddp).hook_state.chunk_numel = chunk_numel
+    handle_of(ddp).hook_state.small_numel = small_numel
     g = torch.Generator().manual_seed(123)
     per_rank = [[torch.randn(n, generator=g).mul(30000).half() for n in sizes] for _ in range(2)]
     ddp(per_rank[rank]).backward()
@@ -243,27 +244,34 @@ def order_matrix(rank, wrapper, steps):
 
 
 def moved_after_ddp(rank, case):
-    """Parameters that would have to move after DDP holds them: one clear error."""
+    """Parameters that can no longer move after DDP holds them: converting them is one
+    clear error; an optimizer over them keeps them where they are (the per-tensor
+    store) and trains with DDP's averaged gradients."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     mdist.init(timeout_s=60)
     model = mlp(norm="ln")
     if case == "half":
-        model.half()  # converted by hand: not in flat buffers
+        model.half()  # converted by hand: not in flat buffers; inputs cast as apex's tofp16 does
+        model.register_forward_pre_hook(mpfp16.convert.CastInputs(torch.float16), with_kwargs=True)
+        model.register_forward_hook(mpfp16.convert.outputs_to_fp32)
     elif case == "to_half-then-move":
         mpfp16.to_half(model)
         model.to(memory_format=torch.contiguous_format, dtype=torch.float16)  # re-allocates the fp32 norm params
     ddp = DDP(model)
+    out = {"error": None, "store": None}
     try:
         if case == "to_half-after-ddp":
             mpfp16.to_half(ddp.module)
         else:
-            mpfp16.FP16Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1))
-        error = None
+            opt = mpfp16.FP16Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), loss_scale=64.0)
+            out["store"] = opt.store.kind
+            train_steps(rank, model, ddp, opt, 2, 1)
+            mdist.check_replicas(ddp, opt)
     except RuntimeError as exc:
-        error = str(exc)
+        out["error"] = str(exc)
     mdist.teardown()
-    return error
+    return out
 
 
 def compile_fails_on_one_rank(rank, fused):
@@ -274,8 +282,8 @@ def compile_fails_on_one_rank(rank, fused):
     import torch._inductor.exc
 
     from mpfp16 import optimizer as O
-    from mpfp16.backends import fused as FB
-    from mpfp16.backends import kernels as F
+    from mpfp16.stores import fused as FB
+    from mpfp16.stores import kernels as F
 
     mdist.init(timeout_s=60)
     O.FUSED_MIN_NUMEL = 0
@@ -284,7 +292,7 @@ def compile_fails_on_one_rank(rank, fused):
             raise torch._inductor.exc.InvalidCxxCompiler("/bin/false")
         F.compiled = broken
     else:
-        FB.FusedBackend.prepare = lambda self, *a, **k: None
+        FB.FusedStep.prepare = lambda self, *a, **k: None
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -380,5 +388,50 @@ def unscale_under_ddp(rank, fused):
                 torch.nn.utils.clip_grad_norm_(opt.master_params(), 0.05)
             assert opt.step()
         out[how] = flat_params(model)
+    mdist.teardown()
+    return out
+
+
+def apex_distributed_example(rank, steps):
+    """apex's FP16_Optimizer_simple/distributed_pytorch example, in its own order:
+    ``model.half()``, torch's DistributedDataParallel, then FP16_Optimizer over
+    ``model.parameters()``; and the same with ``mpfp16.to_half`` in place of ``.half()``.
+    Each rank trains on its own batch. Returns, per order, the final weights and
+    masters, the store the optimizer chose, the first step's averaged gradients, and
+    this rank's local gradients of that step (computed without DDP)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mpfp16.compat.apex import FP16_Optimizer
+
+    mdist.init(timeout_s=60)
+    N, D_in, D_out = 16, 32, 8
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(N, D_in, generator=g).half()
+    y = torch.randn(N, D_out, generator=g).half()
+    out = {}
+    for order in ("half", "to_half"):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(D_in, D_out)
+        alone = torch.nn.Linear(D_in, D_out).half()
+        alone.load_state_dict(net.state_dict())
+        model = net.half() if order == "half" else mpfp16.to_half(net)
+        model = DDP(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        optimizer = FP16_Optimizer(optimizer, static_loss_scale=128.0, verbose=False)
+        loss_fn = torch.nn.MSELoss()
+        (loss_fn(alone(x).float(), y.float()) * 128.0).backward()
+        local = [p.grad.float() / 128.0 for p in alone.parameters()]
+        averaged = None
+        for t in range(steps):
+            optimizer.zero_grad()
+            y_pred = model(x)
+            loss = loss_fn(y_pred.float(), y.float())
+            optimizer.backward(loss)
+            if t == 0:
+                averaged = [p.grad.float() / 128.0 for p in model.parameters()]
+            optimizer.step()
+        mdist.check_replicas(model, optimizer._opt)  # raises on every rank if the replicas differ
+        out[order] = {"params": flat_params(model), "masters": [m.detach().clone() for m in optimizer._opt.master_params()],
+                      "store": optimizer._opt.store.kind, "averaged": averaged, "local": local}
     mdist.teardown()
     return out

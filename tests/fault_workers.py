@@ -71,7 +71,7 @@ def peer_dies(rank, argv, mode):
 
 def write_checkpoints_forever(path: str, numel: int) -> None:
     """Save ever newer checkpoints to `path`, printing each one's number once it is on disk."""
-    from mpfp16.train.checkpoint import save_atomic
+    from mpfp16.checkpoint.file import save_atomic
 
     for i in range(1, 1_000_000):
         save_atomic({"i": i, "payload": torch.full((numel,), float(i))}, path)

@@ -12,9 +12,10 @@ import torch.nn as nn
 import mpfp16
 import mpfp16.distributed as mdist
 from mpfp16.convert import NORM_TYPES
-from mpfp16 import sharded_checkpoint
+from mpfp16.checkpoint import dcp as sharded_checkpoint
 from mpfp16.bench import sharding as S
 from mpfp16.errors import CheckpointError
+from mpfp16.parallel.fsdp_shim import is_sharded
 
 
 def in_process_group(worker):
@@ -76,7 +77,7 @@ def comm_per_step(rank, accum):
 
 
 def _full(t):
-    return t.full_tensor() if mpfp16.sharding.is_sharded(t) else t
+    return t.full_tensor() if is_sharded(t) else t
 
 
 def _snapshot(model, opt):
@@ -221,12 +222,14 @@ def refusals(rank):
     attempt("to_half first", lambda: mdist.shard(half))
     model = mdist.shard(S.tiny_model(4))
     attempt("shard twice", lambda: mdist.shard(model))
+    attempt("channels_last", lambda: mdist.shard(S.tiny_model(4).to(memory_format=torch.channels_last)))
     sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
     attempt("no masters", lambda: mpfp16.FP16Optimizer(sgd(), master_weights=False, model=model))
     attempt("fused", lambda: mpfp16.FP16Optimizer(sgd(), fused=True, model=model))
     attempt("no model", lambda: mpfp16.FP16Optimizer(sgd()))
     opt = mpfp16.FP16Optimizer(sgd(), model=model)
     out["type"] = type(opt).__name__
+    out["store"] = opt.store.kind
     out["is FP16Optimizer"] = isinstance(opt, mpfp16.FP16Optimizer)
     attempt("step without backward", opt.step)
     x, y = S.batch(0, 0, 4, 0, False)
@@ -256,3 +259,82 @@ def stuck_scale(rank):
         except mpfp16.LossScaleStuckError as exc:
             return {"step": step, "error": str(exc), "skipped": opt.skipped_steps, "scale": opt.loss_scale}
     return {"step": None}
+
+
+def _first_conv(model):
+    return next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+
+
+def _train(call, opt, steps, start=0, nan_steps=()):
+    stepped = []
+    for step in range(start, start + steps):
+        x, y = S.batch(step, 0, 4, 0, nan=step in nan_steps)
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(call(x).float(), y))
+        stepped.append(opt.step())
+    return stepped
+
+
+@in_process_group
+def groups_and_freezing(rank):
+    """Two ranks. (1) Each rank shards its own model over a mesh of itself alone: the
+    overflow flag is reduced over that mesh's group, as the norm is, so rank 1's NaN
+    skips rank 1's step only; an optimizer told to agree over all ranks instead is
+    refused, and so is reduce_overflow=False. (2) The first conv frozen when the
+    optimizer is built and unfrozen after 3 steps, sharded over both ranks and under
+    DDP (which is built while it is trainable, with find_unused_parameters, so that it
+    averages its gradient once it has one): the same masters, and the frozen weight
+    never moved while frozen."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    out = {}
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    torch.manual_seed(0)
+    model = mdist.shard(S.tiny_model(4), mesh=DeviceMesh.from_group(alone, "cpu"))
+    sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+    for name, kw in (("world group", {"process_group": dist.group.WORLD}), ("no reduce", {"reduce_overflow": False})):
+        try:
+            mpfp16.FP16Optimizer(sgd(), model=model, **kw)
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    opt = mpfp16.FP16Optimizer(sgd(), model=model, loss_scale=64.0)
+    out["stepped alone"] = _train(model, opt, 3, nan_steps=(1,) if rank == 1 else ())
+
+    runs = {}
+    for mode in ("ddp", "sharded"):
+        torch.manual_seed(0)
+        net = S.tiny_model(4)
+        if mode == "ddp":
+            mpfp16.to_half(net)
+            call = mdist.wrap(net, find_unused_parameters=True)
+            _first_conv(net).weight.requires_grad_(False)
+        else:
+            _first_conv(net).weight.requires_grad_(False)
+            net = call = mdist.shard(net)
+        # A scale that keeps the 16-bit gradients out of the subnormals, where FSDP2's
+        # division before the sum rounds otherwise than DDP's after it.
+        opt = mpfp16.FP16Optimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4),
+                                   model=net, loss_scale=1024.0)
+        before = S.masters(mode, net, opt)
+        stepped = _train(call, opt, 3)
+        frozen_name = next(n for n, p in net.named_parameters() if p is _first_conv(net).weight)
+        while_frozen = S.masters(mode, net, opt)[frozen_name]
+        _first_conv(net).weight.requires_grad_(True)
+        stepped += _train(call, opt, 3, start=3)
+        final = S.masters(mode, net, opt)
+        runs[mode] = {"stepped": stepped, "masters": final, "name": frozen_name,
+                      "frozen moved": not torch.equal(while_frozen, before[frozen_name]),
+                      "moved once unfrozen": not torch.equal(final[frozen_name], while_frozen)}
+    out["runs"] = runs
+    net = mpfp16.to_half(S.tiny_model(4))
+    _first_conv(net).weight.requires_grad_(False)
+    call = mdist.wrap(net)
+    _first_conv(net).weight.requires_grad_(True)
+    try:
+        call(S.batch(0, 0, 4, 0, False)[0])
+        out["unfrozen under ddp"] = None
+    except RuntimeError as exc:
+        out["unfrozen under ddp"] = str(exc)
+    return out

@@ -448,3 +448,24 @@ def test_the_ported_apex_example_runs_under_torchrun(tmp_path):
     assert len(found) == 1, proc.stdout[-2000:]
     last, first = (float(v) for v in found[0])
     assert last < first / 2
+
+
+@pytest.mark.slow
+def test_apex_s_distributed_example_order_trains_like_the_to_half_order(tmp_path):
+    """apex's distributed_pytorch example: ``.half()``, torch's DDP, then FP16_Optimizer.
+    DDP already holds the parameters, so they stay where they are (the per-tensor store);
+    the gradients are averaged over the two ranks, the replicas stay identical, and the
+    run equals the to_half order (flat buffers) bit for bit."""
+    import dist_workers as W
+    from dist_helpers import run_workers
+
+    r0, r1 = run_workers(W.apex_distributed_example, tmp_path, args=(6,))
+    assert r0["half"]["store"] == "per-tensor" and r0["to_half"]["store"] == "flat"
+    for order in ("half", "to_half"):
+        assert torch.equal(r0[order]["params"], r1[order]["params"]), order
+    assert torch.equal(r0["half"]["params"], r0["to_half"]["params"])
+    for a, b in zip(r0["half"]["masters"], r0["to_half"]["masters"]):
+        assert torch.equal(a, b)
+    for avg, g0, g1 in zip(r0["half"]["averaged"], r0["half"]["local"], r1["half"]["local"]):
+        torch.testing.assert_close(avg, (g0 + g1) / 2, rtol=2e-3, atol=1e-4)  # the mean, in fp16
+        assert not torch.allclose(avg, g0, rtol=2e-3, atol=1e-4)  # not this rank's own

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import compression_workers as CW
 import mpfp16
@@ -100,26 +99,19 @@ def test_a_powersgd_state_saved_before_ddp_rebuilt_says_it_cannot_resume_exactly
 # ----------------------------------------------------------------- refusals
 
 
-@pytest.fixture
-def one_process_group(monkeypatch):
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        mdist.teardown()
-
-
 @pytest.mark.parametrize("model,kw,message", [
-    ("fp16", {"strategy": "fp16_compress"}, "strategy 'fp16_compress' is torch's compression hook for an fp32 model, "
-     "and this model's gradients are already 16-bit (float16): use strategy 'allreduce' or 'fp32_accumulate'"),
+    ("fp16", {"strategy": "fp16_compress"}, "strategy='fp16_compress' is torch's compression hook for an fp32 model, "
+     "and this model's gradients are already 16-bit (float16): use strategy='allreduce' or "
+     "strategy='fp32_accumulate'"),
     ("bf16", {"strategy": "powersgd"}, "gradients are already 16-bit (bfloat16)"),
-    ("fp32", {"strategy": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be an integer >= 1, got 0"),
-    ("fp32", {"strategy": "powersgd", "powersgd_start_iter": 1}, "powersgd_start_iter must be an integer >= 2"),
-    ("fp32", {"strategy": "allreduce", "powersgd_rank": 4}, "apply to strategy 'powersgd' only, not 'allreduce'"),
+    ("fp32", {"strategy": "powersgd", "powersgd_rank": 0}, "powersgd_rank=0 must be an integer >= 1"),
+    ("fp32", {"strategy": "powersgd", "powersgd_start_iter": 1}, "powersgd_start_iter=1 must be an integer >= 2"),
+    ("fp32", {"strategy": "allreduce", "powersgd_rank": 4},
+     "powersgd_rank=4 applies to strategy='powersgd' only, not strategy='allreduce'"),
     ("fp32", {"strategy": "bf16_compress", "allreduce_dtype": torch.float32},
-     "strategy 'bf16_compress' decides its own wire dtype; leave allreduce_dtype unset"),
-    ("fp32", {"strategy": "fp16_compress", "predivide_factor": 2.0}, "leave predivide_factor at 1"),
+     "strategy='bf16_compress' decides its own wire dtype; leave allreduce_dtype=None"),
+    ("fp32", {"strategy": "fp16_compress", "predivide_factor": 2.0},
+     "divides by the world size itself; leave predivide_factor=1.0"),
 ], ids=["fp16-model", "bf16-model", "rank", "start-iter", "rank-without-powersgd", "wire-dtype", "predivide"])
 def test_wrap_refuses_in_one_line(one_process_group, model, kw, message):
     net = mlp()
@@ -163,14 +155,17 @@ def test_help_lists_the_strategies_and_powersgd_settings(main, capsys):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(allreduce_strategy="fp16_compress"), "--allreduce-strategy fp16_compress is torch's compression hook for "
-     "an fp32 model and needs --precision fp32; with --precision fp16 the gradients are already 16-bit: use "
-     "--allreduce-strategy allreduce or fp32_accumulate"),
-    (dict(allreduce_strategy="powersgd", precision="bf16"), "needs --precision fp32; with --precision bf16"),
-    (dict(allreduce_strategy="bf16_compress", precision="fp32", allreduce_dtype="fp16"), "drop --allreduce-dtype"),
-    (dict(allreduce_strategy="powersgd", precision="fp32", predivide_factor=2.0), "drop --predivide-factor"),
-    (dict(powersgd_rank=2), "--powersgd-rank applies to --allreduce-strategy powersgd only, not allreduce"),
+     "an fp32 model, and this model's gradients are already 16-bit (--precision fp16): use --allreduce-strategy "
+     "allreduce or --allreduce-strategy fp32_accumulate"),
+    (dict(allreduce_strategy="powersgd", precision="bf16"), "gradients are already 16-bit (--precision bf16)"),
+    (dict(allreduce_strategy="bf16_compress", precision="fp32", allreduce_dtype="fp16"),
+     "decides its own wire dtype; leave out --allreduce-dtype"),
+    (dict(allreduce_strategy="powersgd", precision="fp32", predivide_factor=2.0),
+     "divides by the world size itself; leave --predivide-factor 1"),
+    (dict(powersgd_rank=2), "--powersgd-rank 2 applies to --allreduce-strategy powersgd only, not "
+     "--allreduce-strategy allreduce"),
     (dict(allreduce_strategy="powersgd", precision="fp32", powersgd_start_iter=1),
-     "--powersgd-start-iter must be an integer >= 2, got 1"),
+     "--powersgd-start-iter 1 must be an integer >= 2"),
 ], ids=["fp16", "bf16", "wire-dtype", "predivide", "rank-without-powersgd", "start-iter"])
 def test_config_refuses_compression_that_does_not_fit(kw, message):
     with pytest.raises(ConfigError) as err:
@@ -182,9 +177,9 @@ def test_the_script_refuses_fp16_compress_of_an_fp16_model_in_one_line(capsys):
     status, err = run_main(train_cifar.main, ["--precision", "fp16", "--allreduce-strategy", "fp16_compress"], capsys)
     assert status == 2
     assert err.strip().splitlines()[-1].endswith(  # argparse's usage, then one line
-        ": error: --allreduce-strategy fp16_compress is torch's compression hook for an fp32 model "
-        "and needs --precision fp32; with --precision fp16 the gradients are already 16-bit: use "
-        "--allreduce-strategy allreduce or fp32_accumulate")
+        ": error: --allreduce-strategy fp16_compress is torch's compression hook for an fp32 model, and this "
+        "model's gradients are already 16-bit (--precision fp16): use --allreduce-strategy allreduce or "
+        "--allreduce-strategy fp32_accumulate")
 
 
 TINY = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1", "--precision", "fp32"]

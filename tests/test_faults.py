@@ -19,7 +19,8 @@ import train_imagenet
 from dist_helpers import free_port, run_workers
 from fake_data import write_fake_imagefolder
 from run_helpers import assert_same_final_state, children, kill_a_worker_once_saved, records
-from mpfp16.train import checkpoint as ckpt_io
+from mpfp16 import checkpoint
+from mpfp16.checkpoint import file as ckpt_io
 from mpfp16.errors import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +94,7 @@ def test_sigkill_during_checkpoint_writes_never_corrupts(tmp_path):
         assert ckpt["i"] in (last_done, last_done + 1)
         assert torch.equal(ckpt["payload"][:5], torch.full((5,), float(ckpt["i"])))
     # the next run's start removes what the killed writes left behind
-    ckpt_io.remove_stale_temps(str(tmp_path))
+    checkpoint.remove_unfinished(str(tmp_path))
     assert os.listdir(tmp_path) == ["last.pt"]
 
 
@@ -278,6 +279,35 @@ def test_random_flags_never_give_a_traceback(tmp_path_factory, capsys, flags):
     assert status in (0, 1, 2)
     if status:
         assert err.strip() and "error:" in err.strip().splitlines()[-1]
+
+
+def test_the_fuzzers_values_can_neither_fork_nor_run_long(capsys):
+    """-j and --max-steps are bounded, so that no value in the fuzzers' pools starts a
+    fork bomb or a run without end, however hypothesis draws them (derandomize only
+    keeps CI reproducible); --seed and --dist-timeout are bounded to what every
+    generator and the process group take (beyond, each was a traceback)."""
+    parser = FW.cli.build_parser("cifar")
+    limits = {"-j": 8, "--max-steps": 2, "--seed": 2}
+    for flag, value in [(f, v) for f in limits for v in BAD_OR_ODD_VALUES + ["2", "0.1", "8,4"]]:
+        try:
+            args = parser.parse_args([flag, value])
+        except SystemExit as exc:
+            assert exc.code == 2
+            continue
+        assert 0 <= getattr(args, {"-j": "workers", "--max-steps": "max_steps", "--seed": "seed"}[flag]) <= \
+            limits[flag], (flag, value)
+    capsys.readouterr()
+    for argv, message in [(["-j", "99999999999999999999"], f"must be at most {FW.cli.MAX_WORKERS}, got"),
+                          (["--max-steps", str(10**9 + 1)], "must be at most 1000000000, got"),
+                          (["--seed", "99999999999999999999"], "must be at most 4294967295, got"),
+                          (["--seed", "-1"], "must be at least 0, got -1"),
+                          (["--dist-timeout", "99999999999999999999"], "must be a number in (0, 2592000], got")]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert message in capsys.readouterr().err
+    assert FW.cli.MAX_WORKERS == max(8, 4 * os.cpu_count())
+    assert parser.parse_args(["-j", str(FW.cli.MAX_WORKERS), "--max-steps", str(10**9)]).workers == FW.cli.MAX_WORKERS
+    assert f"at most {FW.cli.MAX_WORKERS}" in " ".join(parser.format_help().split())
 
 
 IMAGENET_FLAGS = ["--image-size", "--resize-phases", "-b", "--bad-images", "-a", "--epochs", "--warmup-epochs",

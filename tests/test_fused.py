@@ -1,4 +1,4 @@
-"""The fused step (mpfp16/backends/fused.py, kernels.py): the same floating-point operations as torch.optim,
+"""The fused step (mpfp16/stores/fused.py, kernels.py): the same floating-point operations as torch.optim,
 in one compiled kernel per flat segment."""
 
 import logging
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import mpfp16
-from mpfp16.backends import kernels as F
+from mpfp16.stores import kernels as F
 from reference import (ReferenceTrainer, assert_same_params, backward_both, batches, make_inner, step_both, tiny_mlp,
                        train_mpfp16, train_reference)
 
@@ -57,7 +57,7 @@ def test_fused_sgd_is_bit_identical_to_torch(kw, master_weights, dtype):
     assert opt.fused
     assert_same_params(model, ref_model)
     if kw["momentum"]:
-        for mine, theirs in zip(opt._stepped, ref.masters):
+        for mine, theirs in zip(opt.master_params(), ref.masters):
             assert torch.equal(opt.state[mine]["momentum_buffer"], ref.opt.state[theirs]["momentum_buffer"])
 
 
@@ -174,7 +174,7 @@ def test_param_groups_that_alternate_in_the_buffer(kind):
         return model, opt
 
     (fused, opt), (unfused, _) = run(True), run(False)
-    half = next(g for g in opt._groups if g.half)
+    half = next(g for g in opt.store.groups if g.half)
     assert [s.group_index for s in half.segments] == [0, 1, 0, 1]
     if kind == "sgd":
         assert_same_params(fused, unfused)
@@ -194,7 +194,7 @@ def test_fused_clipping_is_clip_grad_norm_up_to_fp32_rounding():
     opt.step()
     ref.step()
     assert opt.last_grad_norm == pytest.approx(float(expected_norm), rel=1e-6) and opt.last_grad_norm > 0.05
-    for mine, theirs in zip(opt._stepped, ref.masters):
+    for mine, theirs in zip(opt.master_params(), ref.masters):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-9)
 
 
@@ -279,6 +279,54 @@ def test_compile_failure_with_fused_true_is_an_error(monkeypatch):
                                            r"rank 0 \(InvalidCxxCompiler: No working C\+\+ compiler"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing was written
+
+
+def _break_fp32_gradient_kernels(monkeypatch):
+    """The kernel variants that read unscale_()'s fp32 gradients fail to compile; the
+    others still work."""
+    real = F.compiled
+
+    def compiled(fn, **static):
+        call = real(fn, **static)
+
+        def guarded(*args):
+            if fn in (F.sgd_update, F.adam_update) and args[0].dtype != torch.float32 and \
+                    args[1].dtype == torch.float32:
+                raise torch._inductor.exc.InvalidCxxCompiler()
+            return call(*args)
+
+        return guarded
+
+    monkeypatch.setattr(F, "compiled", compiled)
+
+
+@pytest.mark.parametrize("fused", [True, None], ids=["fused=True", "auto"])
+def test_a_compile_failure_at_the_first_unscale_after_step_one_is_agreed_before_anything_steps(monkeypatch, fused):
+    """unscale_() needs kernels that read fp32 gradients, compiled when it is first called,
+    which may be after other steps. A failure there is agreed across ranks before any
+    segment is stepped or any Adam counter advances: fused=True raises at unscale_(),
+    auto moves to the unfused step for good."""
+    monkeypatch.setattr(mpfp16.optimizer, "FUSED_MIN_NUMEL", 0)
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(make_inner("adamw", model.parameters()), loss_scale=64.0, fused=fused)
+    data = batches(3)
+    train_mpfp16(model, opt, data[:1])  # step 1 reads the 16-bit gradients
+    assert opt.fused
+    _break_fp32_gradient_kernels(monkeypatch)
+    before = [p.detach().clone() for p in model.parameters()]
+    counters = [float(s["step"]) for s in opt.state.values()]
+    x, y = data[1]
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    if fused:
+        with pytest.raises(RuntimeError, match=r"^fused=True cannot be honoured: compiling the fused step failed"):
+            opt.unscale_()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert [float(s["step"]) for s in opt.state.values()] == counters == [1.0] * len(counters)
+        return
+    opt.unscale_()
+    assert not opt.fused and opt.step()
+    assert [float(s["step"]) for s in opt.state.values()] == [2.0] * len(counters)
 
 
 def test_an_error_that_is_not_a_compile_error_is_not_swallowed(monkeypatch):

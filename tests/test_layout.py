@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-HEAVY = ["torchvision", "tqdm", "torch._inductor", "torch._dynamo", "mpfp16.train", "mpfp16.backends.kernels"]
+HEAVY = ["torchvision", "tqdm", "torch._inductor", "torch._dynamo", "mpfp16.train", "mpfp16.stores.kernels"]
 
 
 def modules_added_by(statement):

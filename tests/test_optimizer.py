@@ -44,11 +44,11 @@ def test_masters_match_reference_masters(kind):
     data = batches(5)
     train_mpfp16(model, opt, data)
     ref = train_reference(ref_model, kind, data, scale=512.0)
-    for mine, theirs in zip(opt._stepped, ref.masters):
+    for mine, theirs in zip(opt.master_params(), ref.masters):
         assert mine.dtype == torch.float32
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
     # The inner optimizer's state is the fp32 reference's state, tensor for tensor.
-    for mine, theirs in zip(opt._stepped, ref.masters):
+    for mine, theirs in zip(opt.master_params(), ref.masters):
         for key, value in ref.opt.state[theirs].items():
             torch.testing.assert_close(opt.state[mine][key], value, rtol=0, atol=0)
 
@@ -101,7 +101,7 @@ def test_gradient_accumulation(master_weights):
 def _snapshot(model, opt):
     state = {k: (v.clone() if torch.is_tensor(v) else v)
              for i, s in enumerate(opt.state.values()) for k, v in ((f"{i}.{k}", v) for k, v in s.items())}
-    masters = [m.clone() for m in opt._stepped] if opt.master_weights else []
+    masters = [m.clone() for m in opt.master_params()] if opt.master_weights else []
     return [p.detach().clone() for p in model.parameters()], masters, state
 
 
@@ -522,16 +522,23 @@ def test_to_half_places_the_parameters_and_the_optimizer_moves_nothing():
 
 def test_a_parameter_whose_gradient_hook_is_held_is_never_moved():
     """DDP holds each parameter's gradient accumulator to hook its allreduce on it;
-    moving the parameter would silently cut that hook off."""
+    moving the parameter would silently cut that hook off. The optimizer then keeps
+    those parameters where they are (the per-tensor store), and moving them by hand is
+    refused in one line."""
     model = tiny_mlp(0).half()  # converted by hand: not in a flat buffer
     p = model[0].weight
     held = p.view_as(p).grad_fn.next_functions[0][0]  # what DDP's reducer keeps
+    where = [q.data_ptr() for q in model.parameters()]
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert opt.store.kind == "per-tensor"
+    assert [q.data_ptr() for q in model.parameters()] == where
     with pytest.raises(RuntimeError, match=r"^1 parameters .* would have to move into a flat buffer after "
                                            r"DistributedDataParallel .* before wrapping it in DDP, or build "
                                            r"FP16Optimizer before DDP$"):
-        mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        mpfp16.flatten_parameters(model)
     del held
-    mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # nothing holds it now: it may move
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # nothing holds it now: it may move
+    assert opt.store.kind == "flat"
 
 
 def test_weights_written_after_the_optimizer_was_built_reach_the_masters():

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import mpfp16
-from mpfp16.replicas import tensor_checksum
+from mpfp16.parallel.replicas import tensor_checksum
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int64])

@@ -202,7 +202,7 @@ def test_empty_imagefolder_and_unknown_arch(tmp_path, capsys):
 def test_fused_on_that_cannot_compile_is_one_line(cifar_root, tmp_path, capsys, monkeypatch):
     import torch._inductor.exc
 
-    from mpfp16.backends import kernels as fused
+    from mpfp16.stores import kernels as fused
 
     def broken(fn, **static):
         raise torch._inductor.exc.InvalidCxxCompiler()

@@ -5,9 +5,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import checkpoint_workers as CW
 import train_cifar
 from dist_helpers import free_port
+from mpfp16.checkpoint import dcp
+from mpfp16.optimizer import upgrade_state_dict
 from run_helpers import assert_same_sharded_state, kill_a_worker_once_saved, records, run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,23 +80,110 @@ def test_elastic_restart_after_sigkill_is_bit_identical(tmp_path):
     assert_same_sharded_state(tmp_path / "straight" / "last.dcp", killed / "last.dcp", tmp_path)
 
 
-def test_checkpoint_kinds_are_not_mixed(tmp_path, capsys):
+def saved_snapshot(state: dict, names: list[str] | None = None) -> dict:
+    """A training checkpoint (whole tensors, either layout, any format version) as
+    checkpoint_workers.snapshot sees a live run, plus its position. ``names``: the
+    parameters' names, for a version that did not record them."""
+    opt = upgrade_state_dict(state["optimizer"])
+    names, model = opt["param_names"] or names, state["model"]
+    masters = {n: (m if m is not None else model[n]) for n, m in zip(names, opt["master_params"])}
+    return {"masters": masters, "buffers": {k: v for k, v in model.items() if k not in masters},
+            "state": {f"{names[int(i)]}.{k}": v for i, s in opt["optimizer"]["state"].items() for k, v in s.items()},
+            "scaler": opt["scaler"], "skipped": opt["skipped_steps"], "iteration": opt["iteration"],
+            "position": position_of(state["step"], state["epoch"], state["batches_done"],
+                                    state["scheduler"]["last_epoch"], state["best_acc1"]),
+            "rng": state["rng"][0]["torch"]}
+
+
+def position_of(*values) -> tuple:
+    return tuple(float(v) if isinstance(v, float) else int(v) for v in values)
+
+
+def snapshot_at_fit(monkeypatch) -> list:
+    """Each resumed run's state as fit() starts (resumed, nothing trained since)."""
+    from mpfp16.train import engine
+
+    taken, real_fit = [], engine.Trainer.fit
+
+    def fit(self):
+        taken.append({**CW.snapshot(self.model, self.opt), "rng": torch.get_rng_state(),
+                      "position": position_of(self.step, self.epoch, self.batches_done, self.sched.last_epoch,
+                                              self.best_acc1)})
+        return real_fit(self)
+
+    monkeypatch.setattr(engine.Trainer, "fit", fit)
+    return taken
+
+
+def assert_resumed_exactly(live: dict, saved: dict) -> None:
+    assert CW.differences(live, saved) == []
+    assert live["position"] == saved["position"] and torch.equal(live["rng"], saved["rng"])
+
+
+def test_either_kind_resumes_as_the_other(tmp_path, capsys, monkeypatch):
+    """A plain run stopped at step 4 continues with --shard, and that one without it:
+    masters, optimizer state, scaler, counters, position and RNG as saved, bit for bit;
+    --resume auto takes the newer of last.pt and last.dcp, and each save removes the
+    checkpoint of the other kind it supersedes."""
     unsharded = [a for a in TINY if a != "--shard"]
-    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
-    assert run_main(train_cifar.main, unsharded + ["--max-steps", "1", "--checkpoint-dir", str(plain)], capsys)[0] == 0
+    run, common = tmp_path / "run", ["--epochs", "3", "--checkpoint-dir", str(tmp_path / "run")]  # 12 steps an epoch
+    assert run_main(train_cifar.main, unsharded + common + ["--max-steps", "4"], capsys)[0] == 0
+    saved = saved_snapshot(torch.load(run / "last.pt", weights_only=True))
+    step4 = (run / "last.pt").read_bytes()
+    taken = snapshot_at_fit(monkeypatch)
+    status, err = run_main(train_cifar.main, TINY + common + ["--max-steps", "8", "--resume", "auto"], capsys)
+    assert status == 0 and err == "", err  # --shard is free on resume: no warning
+    assert_resumed_exactly(taken[-1], saved)
+    assert not (run / "last.pt").exists() and (run / "last.dcp").exists()
+
+    saved = saved_snapshot(dcp.load_whole(str(run / "last.dcp")))
+    (run / "last.pt").write_bytes(step4)  # an older last of the other kind beside it: auto takes the newer
+    status, err = run_main(train_cifar.main, unsharded + common + ["--max-steps", "12", "--resume", "auto"], capsys)
+    assert status == 0 and err == "", err
+    assert_resumed_exactly(taken[-1], saved)
+    assert (run / "last.pt").exists() and not (run / "last.dcp").exists()
+    assert [r["step"] for r in records(run / "metrics.jsonl") if r["type"] == "train"] == list(range(1, 13))
+    names = set(os.listdir(run))
+    assert not any(n.startswith(".") and n.endswith(".tmp") for n in names)
+    assert all(os.path.exists(run / n) for n in names)  # no link left dangling
+    assert not [n for n in names if n.startswith("sharded-")] or os.path.islink(run / "best.dcp")
+
+
+def test_a_checkpoint_written_before_the_stores_resumes_either_way(tmp_path, capsys, monkeypatch):
+    """"mpfp16.checkpoint/1" with an "mpfp16.FP16Optimizer/1" optimizer state, as
+    earlier versions wrote it: resumed as it is, and with --shard."""
+    unsharded = [a for a in TINY if a != "--shard"]
+    first = tmp_path / "first"
+    assert run_main(train_cifar.main, unsharded + ["--epochs", "3", "--max-steps", "3", "--checkpoint-dir",
+                                                   str(first)], capsys)[0] == 0
+    state = torch.load(first / "last.pt", weights_only=True)
+    names = state["optimizer"]["param_names"]
+    state["optimizer"] = CW.as_old_flat(state["optimizer"])
+    assert "param_names" not in state["optimizer"] and "store" not in state["optimizer"]
+    saved = saved_snapshot(state, names)
+    taken = snapshot_at_fit(monkeypatch)
+    for flags in (unsharded, TINY):
+        run = tmp_path / f"old{len(flags)}"
+        run.mkdir()
+        torch.save(state, run / "last.pt")
+        status, err = run_main(train_cifar.main, flags + ["--epochs", "3", "--max-steps", "4", "--checkpoint-dir",
+                                                          str(run), "--resume", "auto"], capsys)
+        assert status == 0 and err == "", err
+        assert_resumed_exactly(taken[-1], saved)
+
+
+def test_what_a_sharded_run_still_refuses(tmp_path, capsys):
+    unsharded = [a for a in TINY if a != "--shard"]
+    sharded = tmp_path / "sharded"
     assert run_main(train_cifar.main, TINY + ["--max-steps", "1", "--checkpoint-dir", str(sharded)], capsys)[0] == 0
     cases = [
-        (TINY + ["--max-steps", "2", "--checkpoint-dir", str(plain), "--resume", "auto"],
-         "holds an unsharded run (last.pt): continue it without --shard"),
-        (unsharded + ["--max-steps", "2", "--checkpoint-dir", str(sharded), "--resume", "auto"],
-         "holds a sharded run (last.dcp): continue it with --shard"),
-        (TINY + ["--max-steps", "2", "--checkpoint-dir", str(tmp_path / "a"), "--resume", str(plain / "last.pt")],
-         "is a file, not a sharded checkpoint folder"),
-        (unsharded + ["--max-steps", "2", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
-                      str(sharded / "last.dcp")], "is a sharded run's checkpoint: resume it with --shard"),
         (TINY + ["--max-steps", "2", "--checkpoint-dir", str(sharded)], "holds an earlier run"),
+        (unsharded + ["--max-steps", "2", "--checkpoint-dir", str(sharded)],
+         f"holds an earlier run ({sharded / 'last.dcp'}, {sharded / 'best.dcp'}, {sharded / 'metrics.jsonl'})"),
         (TINY + ["--no-master-weights"], "drop --no-master-weights"),
         (TINY + ["--allreduce-strategy", "fp32_accumulate"], "--shard reduce-scatters instead"),
+        (TINY + ["--fused", "on"], "drop --fused on"),
+        (TINY + ["--channels-last"], "drop --channels-last with --shard"),  # was FSDP2's NotImplementedError
     ]
     for argv, message in cases:
         status, err = run_main(train_cifar.main, argv, capsys)

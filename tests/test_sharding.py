@@ -119,9 +119,10 @@ def test_tampered_checkpoints_are_refused_and_never_run(tmp_path):
 
 def test_refusals_are_one_line(tmp_path):
     r, = run_workers(W.refusals, tmp_path, 1)
-    assert r["type"] == "ShardedFP16Optimizer" and r["is FP16Optimizer"]
+    assert r["type"] == "FP16Optimizer" and r["store"] == "sharded"
     assert "do not call to_half()" in r["to_half first"]
     assert "already sharded" in r["shard twice"]
+    assert "is not contiguous (channels_last, say), and FSDP2 shards contiguous parameters only" in r["channels_last"]
     assert "master_weights=False has no meaning" in r["no masters"]
     assert "fused=True is not possible" in r["fused"]
     assert "needs model=" in r["no model"]
@@ -149,3 +150,23 @@ def test_a_scale_stuck_at_its_floor_stops_every_rank_at_the_same_step(tmp_path):
     assert r0["step"] is not None and r0["step"] == r1["step"]
     assert r0["scale"] == 1.0 and r0["skipped"] == r1["skipped"] == r0["step"] + 1
     assert "\n" not in r0["error"]
+
+
+def test_the_skip_is_agreed_over_the_mesh_and_a_layer_unfrozen_later_trains_as_under_ddp(tmp_path):
+    r0, r1 = run_workers(W.groups_and_freezing, tmp_path, 2, timeout=300)
+    for r in (r0, r1):
+        assert "process_group is not the group the model is sharded over" in r["world group"]
+        assert "reduce_overflow=False is not possible for a sharded model" in r["no reduce"]
+        assert "\n" not in r["world group"] + r["no reduce"]
+    assert r0["stepped alone"] == [True, True, True]  # rank 1's NaN is rank 1's alone
+    assert r1["stepped alone"] == [True, False, True]
+    ddp, sharded = r0["runs"]["ddp"], r0["runs"]["sharded"]
+    assert ddp["stepped"] == sharded["stepped"] and all(ddp["stepped"])
+    assert not ddp["frozen moved"] and not sharded["frozen moved"]
+    assert ddp["moved once unfrozen"] and sharded["moved once unfrozen"]
+    for name, m in ddp["masters"].items():
+        assert torch.equal(sharded["masters"][name], m), name
+    for name, m in r1["runs"]["sharded"]["masters"].items():
+        assert torch.equal(m, sharded["masters"][name]), name
+    for r in (r0, r1):  # DDP fixes the parameters it averages when it is built: unfreezing later is refused
+        assert r["unfrozen under ddp"].startswith("parameter 0.0.weight was frozen when the model was wrapped in DDP")

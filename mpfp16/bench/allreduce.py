@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import comm
+from ..parallel import hooks
 from .. import distributed as mdist
 from ..train.gpt import GPT_SIZES, build_gpt, next_token_loss
 from .links import LinkError, WireCounter
@@ -113,14 +113,14 @@ def sweep_methods(count: int, dtypes: list[str], strategies: list[str], device: 
     """type name -> (function averaging `count` elements, wire dtype)."""
     g = torch.Generator().manual_seed(dist.get_rank())
     base = torch.randn(count, generator=g).to(device)
-    state = comm.HookState()
+    state = hooks.HookState()
     methods = {}
     for name in dtypes:
         buf = base.to(DTYPES[name])
         if "allreduce" in strategies or name == "fp32":
             methods[name] = ((lambda b: lambda: dist.all_reduce(b))(buf), DTYPES[name])
         if "fp32_accumulate" in strategies and name != "fp32":
-            methods[f"{name}+acc32"] = ((lambda b: lambda: comm.average_fp32_accumulate(state, b))(buf.clone()),
+            methods[f"{name}+acc32"] = ((lambda b: lambda: hooks.average_fp32_accumulate(state, b))(buf.clone()),
                                         DTYPES[name])
     return methods
 
@@ -407,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32 message sizes, K/M/G binary suffixes (default: 4K,64K,1M,4M,16M,64M,128M)")
     p.add_argument("--dtypes", type=parse_list(list(DTYPES)), default="fp32,fp16,bf16",
                    help="types to compare (default: fp32,fp16,bf16)")
-    p.add_argument("--strategies", type=parse_list(list(comm.MPFP16_STRATEGIES)), default="allreduce,fp32_accumulate",
+    p.add_argument("--strategies", type=parse_list(list(hooks.MPFP16_STRATEGIES)), default="allreduce,fp32_accumulate",
                    help="16-bit strategies (default: allreduce,fp32_accumulate)")
     p.add_argument("--iters", type=int, default=10, help="timed rounds (default: 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")

@@ -1,5 +1,5 @@
 """The Adam kernel variants, one flat buffer each, against torch's fused fp32 AdamW on
-the same number of elements: the table behind the choices in mpfp16/backends/kernels.py.
+the same number of elements: the table behind the choices in mpfp16/stores/kernels.py.
 
     python -m mpfp16.bench.kernels [--numel 25557032] [--threads 1,2] [--json PATH]
 
@@ -40,7 +40,7 @@ from .step import _thread_counts, compare, cpu_model
 def _variants(numel: int, device: torch.device) -> dict:
     import torch._inductor.config
 
-    from ..backends import kernels as K
+    from ..stores import kernels as K
 
     sc = lambda v: K.scalar(v, device)  # noqa: E731
     g = torch.Generator().manual_seed(0)

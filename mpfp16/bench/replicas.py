@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import distributed as mdist
-from ..replicas import check_replicas, collect, local_summary
+from ..parallel.replicas import check_replicas, collect, local_summary
 from .step import _Mpfp16, cpu_model, model_params
 from .timing import time_call
 

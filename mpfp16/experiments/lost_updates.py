@@ -26,7 +26,7 @@ def lost_fraction(old: torch.Tensor, update: torch.Tensor) -> float:
 def run(setup: C.Setup, seed: int, out_dir: str, doc: str) -> dict:
     model, opt = C.build("fp16 + masters", setup, seed)
     names = {id(p): n for n, p in model.named_parameters()}
-    tracked = [(names[id(p)], p, m) for p, m in zip(opt._groups[0].params, opt._groups[0].master_views)
+    tracked = [(names[id(p)], p, m) for p, m in zip(opt.model_params(), opt.master_params())
                if p.dtype == torch.float16 and p.dim() > 1]
     before: list[torch.Tensor] = []
     history: dict[str, list[float]] = {name: [] for name, _, _ in tracked}

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import re
 import sys
 
 import torch.distributed as dist
 
-from ..comm import STRATEGIES
+from ..parallel.hooks import STRATEGIES
+from ..parallel.setup import MAX_TIMEOUT_S
 from ..errors import FusedStepUnavailable, ReplicaDivergenceError, UserError, one_line
 from ..rounding import ROUNDINGS
 from ..scaler import LossScaleStuckError
@@ -46,13 +48,18 @@ _positive_int = _int_at_least(1)
 MIN_IMAGE_SIZE = 8  # below it, torchvision's antialiased resize of the validation images fails
 MAX_IMAGE_SIZE = 4096
 _non_negative_int = _int_at_least(0)
+# Data loader processes per training process: beyond a few per core they only cost
+# memory, and a mistyped huge number would fork until the machine gives out.
+MAX_WORKERS = max(8, 4 * (os.cpu_count() or 1))
+MAX_STEPS = 10**9  # far beyond any run; a larger number is a typo, not a plan
+MAX_SEED = 2**32 - 1  # every generator the run seeds takes it (torch, Python, the samplers)
 
 
 def _float_in(low: float, high: float, low_open: bool = False):
     if high == math.inf:
         wanted = "a positive finite number" if low_open and low == 0 else f"a finite number >= {low:g}"
     else:
-        wanted = f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+        wanted = f"a number in {'(' if low_open else '['}{low:.10g}, {high:.10g}]"
 
     def parse(text: str) -> float:
         try:
@@ -116,8 +123,9 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
     g.add_argument("data", nargs="?",
                    help=("CIFAR-10 in torchvision's format: the cifar-10-batches-py folder or its parent" if cifar
                          else "ImageFolder root with train/ and val/") + default("data", "embedded synthetic data"))
-    g.add_argument("-j", "--workers", type=_non_negative_int,
-                   help="data loading processes per training process" + default("workers"))
+    g.add_argument("-j", "--workers", type=_int_at_least(0, MAX_WORKERS),
+                   help=f"data loading processes per training process, at most {MAX_WORKERS} here (4 per core, or 8)"
+                        + default("workers"))
     if not cifar:
         g.add_argument("--image-size", type=_int_at_least(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE),
                        help=f"training crop size, {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}; a ViT or MaxViT is built "
@@ -140,8 +148,9 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
 
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=_positive_int, help="epochs; the lr schedule spans them" + default("epochs"))
-    g.add_argument("--max-steps", type=_positive_int,
-                   help="stop after N optimizer steps, whatever --epochs says" + default("max_steps", "none"))
+    g.add_argument("--max-steps", type=_int_at_least(1, MAX_STEPS),
+                   help=f"stop after N optimizer steps, whatever --epochs says; at most {MAX_STEPS:,}"
+                        + default("max_steps", "none"))
     g.add_argument("-b", "--batch-size", type=_positive_int,
                    help="images per process per micro-batch" + default("batch_size"))
     g.add_argument("--accum-steps", type=_positive_int,
@@ -167,7 +176,7 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                             "0:128,13:224,25:288" + default("resize_phases", "--image-size throughout"))
         g.add_argument("--no-scale-lr", dest="scale_lr", action="store_false",
                        help="use --lr as given, not scaled by the global batch" + default("scale_lr", "scaled"))
-    g.add_argument("--seed", type=int, help="random seed" + default("seed"))
+    g.add_argument("--seed", type=_int_at_least(0, MAX_SEED), help=f"random seed, 0 to {MAX_SEED}" + default("seed"))
 
     g = p.add_argument_group("precision")
     g.add_argument("--precision", choices=PRECISIONS, help="weights and activations" + default("precision"))
@@ -200,8 +209,9 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
     g.add_argument("--bucket-mb", type=_positive_float, help="DDP bucket size in MiB" + default("bucket_mb"))
     g.add_argument("--dist-backend", choices=["nccl", "gloo"],
                    help="process group backend" + default("dist_backend", "nccl on GPU, gloo on CPU"))
-    g.add_argument("--dist-timeout", type=_positive_float,
-                   help="seconds a collective waits for a peer before failing" + default("dist_timeout"))
+    g.add_argument("--dist-timeout", type=_float_in(0.0, MAX_TIMEOUT_S, low_open=True),
+                   help=f"seconds a collective waits for a peer before failing, at most {MAX_TIMEOUT_S:.0f} (30 days)"
+                        + default("dist_timeout"))
     g.add_argument("--device", choices=["cpu", "cuda"], help="where to train" + default("device", "cuda when available"))
     g.add_argument("--check-replicas", type=_non_negative_int, metavar="N",
                    help="check that every rank holds bit-identical weights, masters and optimizer state every N "

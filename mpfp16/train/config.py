@@ -6,7 +6,9 @@ embedded synthetic set, is None in the dataclass and filled in by ``__post_init_
 from :data:`TASK_DEFAULTS` and :data:`DATA_DEFAULTS`; the command line shows the same
 values in ``--help`` (:func:`default_text`) and passes only the flags that were given.
 :meth:`TrainConfig.validate` checks the rules between settings, for the command line
-and for code that builds a config itself.
+and for code that builds a config itself. The rules of the optimizer, of DDP and of
+FSDP2 are the library's own validators, called with the options the engine will pass
+and worded as flags (:func:`say`): the config cannot accept what the library refuses.
 """
 
 from __future__ import annotations
@@ -15,19 +17,27 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..comm import STRATEGIES, TORCH_STRATEGIES
-from ..errors import UserError
+import torch
+
+from .. import optimizer as optimizer_rules
+from ..errors import UserError, library_words
+from ..parallel import ddp as ddp_rules
+from ..parallel import fsdp as fsdp_rules
+from ..parallel.hooks import STRATEGIES
+from ..parallel.setup import DEFAULT_TIMEOUT_S
 from ..rounding import ROUNDINGS
 from .schedule import SCHEDULES
 
 __all__ = ["TrainConfig", "ConfigError", "FREE_ON_RESUME", "TASK_DEFAULTS", "DATA_DEFAULTS", "SYNTHETIC_SIZES",
-           "OPTIMIZERS", "PRECISIONS", "WIRE_DTYPES", "BAD_IMAGE_POLICIES", "FUSED_CHOICES", "default_text"]
+           "OPTIMIZERS", "PRECISIONS", "WIRE_DTYPES", "TORCH_DTYPES", "BAD_IMAGE_POLICIES", "FUSED_CHOICES", "say",
+           "default_text"]
 
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "fp16", "bf16")
 WIRE_DTYPES = ("fp16", "bf16", "fp32")
 BAD_IMAGE_POLICIES = ("fail", "skip")
 FUSED_CHOICES = ("auto", "on", "off")
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # precisions and wire dtypes
 
 # Defaults that differ between the two tasks.
 TASK_DEFAULTS = {
@@ -51,12 +61,13 @@ DATA_DEFAULTS = {
     },
 }
 
-# Settings that change neither the sample order, the schedule nor the result of a
+# Settings that change neither the sample order, the schedule nor the meaning of a
 # step: where the data lives and how it is read, how often to log, save and check,
-# where things go, and how the step is computed (fused or not, memory format, device,
-# DDP bucket size), never what it computes.
+# where things go, and how the step is computed (fused or not, sharded or not, memory
+# format, device, DDP bucket size), never what it computes. A resume that changes how
+# a step is computed may change the last bits of the sums.
 FREE_ON_RESUME = frozenset({
-    "data", "workers", "bad_images", "max_steps", "channels_last", "fused", "bucket_mb", "dist_backend",
+    "data", "workers", "bad_images", "max_steps", "channels_last", "fused", "shard", "bucket_mb", "dist_backend",
     "dist_timeout", "device", "check_replicas", "checkpoint_dir", "save_every", "resume", "metrics", "tensorboard",
     "print_freq", "progress", "evaluate", "overwrite", "allow_changed_config",
 })
@@ -112,7 +123,7 @@ class TrainConfig:
     predivide_factor: float = 1.0
     bucket_mb: float = 25.0
     dist_backend: str | None = None
-    dist_timeout: float = 600.0
+    dist_timeout: float = DEFAULT_TIMEOUT_S
     device: str | None = None
     check_replicas: int = 100  # optimizer steps between replica checks; 0: never
     # checkpoints and logs
@@ -138,6 +149,11 @@ class TrainConfig:
             self.synthetic_size = tuple(self.synthetic_size)
         self.resize_phases = [tuple(p) for p in self.resize_phases]
 
+    @property
+    def fused_option(self) -> bool | None:
+        """``--fused`` as FP16Optimizer's ``fused=`` takes it."""
+        return {"auto": None, "on": True, "off": False}.get(self.fused)
+
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` (one line, in the flags' words) for a name that
         means nothing or settings that contradict each other; return ``self``."""
@@ -154,13 +170,16 @@ class TrainConfig:
             raise ConfigError(f"--loss-scale must be 'dynamic' or a positive number, got {self.loss_scale!r}")
         if self.precision != "fp16" and self.loss_scale != "dynamic":
             raise ConfigError(f"--loss-scale applies to fp16 only, not --precision {self.precision}")
-        if self.allreduce_strategy == "fp32_accumulate" and self.allreduce_dtype is not None:
-            raise ConfigError("--allreduce-strategy fp32_accumulate sends the parameters' own dtype; "
-                              "drop --allreduce-dtype")
-        self._validate_compression()
-        self._validate_shard()
-        if self.rounding != "nearest" and self.master_weights:
-            raise ConfigError(f"--rounding {self.rounding} needs --no-master-weights")
+        if self.shard:
+            for name in ("allreduce_strategy", "predivide_factor", "bucket_mb", "powersgd_rank",
+                         "powersgd_start_iter"):
+                if getattr(self, name) != _default(name):
+                    raise ConfigError(f"{_flag(name)} configures DDP's allreduce; --shard reduce-scatters instead "
+                                      "(its dtype: --allreduce-dtype)")
+            if self.channels_last:  # FSDP2 raises NotImplementedError for non-contiguous parameters
+                raise ConfigError("--channels-last makes the convolution weights non-contiguous, and FSDP2 shards "
+                                  "contiguous parameters only: drop --channels-last with --shard")
+        self._check_library_rules()
         if self.evaluate and self.resume is None:
             raise ConfigError("--evaluate needs --resume PATH (or auto)")
         if self.overwrite and self.resume is not None:
@@ -168,46 +187,24 @@ class TrainConfig:
                               "--resume")
         return self
 
-    def _validate_compression(self) -> None:
-        """torch's compression hooks are baselines for an fp32 model: with 16-bit
-        gradients they would cast nothing, or compress what is already compressed. They
-        pick their own wire dtype and divide by the world size themselves."""
-        strategy = self.allreduce_strategy
-        for name, minimum in (("powersgd_rank", 1), ("powersgd_start_iter", 2)):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= minimum):
-                raise ConfigError(f"{_flag(name)} must be an integer >= {minimum}, got {value!r}")
-            if strategy != "powersgd" and value != _default(name):
-                raise ConfigError(f"{_flag(name)} applies to --allreduce-strategy powersgd only, not {strategy}")
-        if strategy not in TORCH_STRATEGIES:
-            return
-        if self.precision != "fp32":
-            raise ConfigError(f"--allreduce-strategy {strategy} is torch's compression hook for an fp32 model and "
-                              f"needs --precision fp32; with --precision {self.precision} the gradients are already "
-                              "16-bit: use --allreduce-strategy allreduce or fp32_accumulate")
-        if self.allreduce_dtype is not None:
-            raise ConfigError(f"--allreduce-strategy {strategy} decides its own wire dtype; drop --allreduce-dtype")
-        if self.predivide_factor != 1:
-            raise ConfigError(f"--allreduce-strategy {strategy} divides by the world size itself; drop "
-                              "--predivide-factor")
-
-    def _validate_shard(self) -> None:
-        """--shard runs FSDP2 with fp32 masters and 16-bit compute: refuse what it has
-        no meaning for. --allreduce-dtype gives the reduce-scatter's dtype."""
-        if not self.shard:
-            return
-        if self.precision == "fp32":
-            raise ConfigError("--shard computes in 16 bits over sharded fp32 masters: use --precision fp16 or bf16")
-        if not self.master_weights:
-            raise ConfigError("--shard keeps fp32 masters by construction (the shards are the masters): drop "
-                              "--no-master-weights")
-        if self.fused == "on":
-            raise ConfigError("--fused on works on flat buffers; with --shard the optimizer's own step runs on the "
-                              "shards: drop --fused on")
-        for name in ("allreduce_strategy", "predivide_factor", "bucket_mb"):
-            if getattr(self, name) != _default(name):
-                raise ConfigError(f"{_flag(name)} configures DDP's allreduce; --shard reduce-scatters instead "
-                                  "(its dtype: --allreduce-dtype)")
+    def _check_library_rules(self) -> None:
+        """The library's own rules, on the options the engine will pass it: the
+        optimizer's, and DDP's (several processes) or FSDP2's (``--shard``)."""
+        compute, wire = TORCH_DTYPES[self.precision], TORCH_DTYPES.get(self.allreduce_dtype)
+        try:
+            optimizer_rules.check_options(master_weights=self.master_weights, rounding=self.rounding,
+                                          max_grad_norm=self.max_grad_norm, fused=self.fused_option,
+                                          sharded=self.shard, say=say)
+            if self.shard:
+                fsdp_rules.check_options(compute, wire, say=say)
+            else:
+                ddp_rules.check_options(strategy=self.allreduce_strategy, allreduce_dtype=wire,
+                                        predivide_factor=self.predivide_factor, bucket_mb=self.bucket_mb,
+                                        powersgd_rank=self.powersgd_rank, powersgd_start_iter=self.powersgd_start_iter,
+                                        grads_16bit=compute != torch.float32,
+                                        grad_dtypes=(say("precision", self.precision),), say=say)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def changed_on_resume(self, saved: dict) -> list[tuple[str, object, object]]:
         """(name, saved value, value now) for each setting whose change would make a
@@ -232,6 +229,32 @@ def _data_kind(data: str | None) -> str:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+# The library's option names that are spelled otherwise as flags.
+_FLAGS = {"strategy": "--allreduce-strategy", "param_dtype": "--precision", "reduce_dtype": "--allreduce-dtype"}
+_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+def say(name: str, value) -> str:
+    """A library option as the flag that sets it: the ``say`` of the library's
+    validators (:func:`mpfp16.errors.library_words`), so that their refusals name
+    flags (``say("master_weights", False) -> "--no-master-weights"``,
+    ``say("fused", True) -> "--fused on"``, ``say("rounding", "kahan") -> "--rounding kahan"``)."""
+    if name == "master_weights":
+        return "--no-master-weights" if not value else "fp32 master weights"
+    if name == "fused":
+        return f"--fused {({True: 'on', False: 'off', None: 'auto'}[value])}"
+    if name == "reduce_overflow":  # not a flag: the scripts always reduce it
+        return library_words(name, value)
+    flag = _FLAGS.get(name, _flag(name))
+    if value is None:
+        return f"out {flag}" if name in ("allreduce_dtype", "reduce_dtype") else f"{flag} unset"
+    if isinstance(value, torch.dtype):
+        value = _DTYPE_NAMES.get(value, str(value).replace("torch.", ""))
+    elif isinstance(value, float):
+        value = f"{value:g}"
+    return f"{flag} {value}"
 
 
 def _default(name: str):

@@ -16,8 +16,7 @@ import os
 import signal
 import threading
 
-import torch
-import torch.distributed as dist
+from ..parallel.base import max_over_ranks
 
 __all__ = ["StopSignals", "Stopped", "SIGNALS"]
 
@@ -70,9 +69,6 @@ class StopSignals:
 
     def agreed(self, group=None) -> int | None:
         """The signal that any rank of ``group`` received, the same on every rank (one
-        small all-reduce on a CPU process group), or None."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.signum
-        flag = torch.tensor([self.signum or 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return int(flag) or None
+        small max-reduce), or None. When several ranks got different signals, the
+        highest number wins, on every rank."""
+        return max_over_ranks(self.signum or 0, group) or None

@@ -1,6 +1,8 @@
 """The run directory: checked before training starts, locked while a run writes to it,
 never overwritten by accident.
 
+- :func:`claim` does all of it at the start of a run, on rank 0, and gives every rank
+  rank 0's verdict.
 - :func:`check_folder` and :func:`check_file` find an unwritable location, or a file
   where a folder should be, before any data is loaded or any kernel compiled.
 - :func:`existing_run` names what an earlier run left in the folder, so that a
@@ -19,12 +21,76 @@ import os
 import socket
 import tempfile
 
+import logging
+
+from .. import checkpoint
 from ..errors import UserError, one_line
+from ..parallel.base import broadcast_object, is_main_process
+from . import resume as decide
+from .config import TrainConfig
 
-__all__ = ["check_folder", "check_file", "existing_run", "RunLock", "CHECKPOINT_NAMES"]
+__all__ = ["claim", "last_paths", "check_folder", "check_file", "existing_run", "RunLock", "CHECKPOINT_NAMES"]
 
-CHECKPOINT_NAMES = ("last.pt", "best.pt", "last.dcp", "best.dcp")  # .dcp: links to sharded checkpoints
+logger = logging.getLogger("mpfp16")
+
+# A run's checkpoints, in either format (.dcp: links to DCP folders).
+CHECKPOINT_NAMES = tuple(f"{kind}{fmt.suffix}" for fmt in checkpoint.FORMATS for kind in ("last", "best"))
 LOCK_NAME = ".mpfp16.lock"
+
+
+def last_paths(folder: str) -> list[str]:
+    """The "last" checkpoints in ``folder`` (one per format) that exist."""
+    return [p for p in (os.path.join(folder, "last" + fmt.suffix) for fmt in checkpoint.FORMATS) if os.path.exists(p)]
+
+
+def claim(cfg: TrainConfig, metrics_path: str) -> RunLock | None:
+    """Check every place the run writes to, refuse to replace an earlier run (or, with
+    ``--overwrite``, delete it), sweep away unfinished checkpoint writes, and lock the
+    checkpoint directory; rank 0 does it and every rank gets its verdict. Returns the
+    lock (None on the other ranks, and for ``--evaluate``, which writes no checkpoint).
+
+    Raises:
+        UserError: one line, on every rank.
+    """
+    lock, error = None, None
+    if is_main_process():
+        try:
+            lock = _check_run_dir(cfg, metrics_path)
+        except UserError as exc:
+            error = str(exc)
+        except OSError as exc:  # removing the old run's files for --overwrite, say
+            error = f"cannot prepare {cfg.checkpoint_dir}: {one_line(exc)}"
+    error = broadcast_object(error)
+    if error is not None:
+        raise UserError(error)
+    return lock
+
+
+def _check_run_dir(cfg: TrainConfig, metrics_path: str) -> RunLock | None:
+    check_folder(cfg.checkpoint_dir, "checkpoint directory")
+    check_file(metrics_path, "metrics file")
+    if cfg.tensorboard:
+        check_folder(cfg.tensorboard, "TensorBoard directory")
+    if cfg.evaluate:  # writes no checkpoint
+        return None
+    lock = RunLock(cfg.checkpoint_dir)
+    try:
+        folder, resume = cfg.checkpoint_dir, cfg.resume
+        lasts = last_paths(folder)
+        continues = bool(lasts) if resume == "auto" else (
+            resume is not None and os.path.exists(resume) and any(os.path.samefile(resume, p) for p in lasts))
+        has_records = os.path.isfile(metrics_path) and os.path.getsize(metrics_path) > 0
+        for path in decide.earlier_run(resume=resume, continues=continues, checkpoints=existing_run(folder, None),
+                                       metrics=metrics_path if has_records else None, overwrite=cfg.overwrite,
+                                       folder=folder):
+            os.unlink(path)  # --overwrite; the sweep below takes the folders of DCP links
+        stale = checkpoint.remove_unfinished(folder)
+        if stale:
+            logger.info("removed %d unfinished checkpoint writes from %s", len(stale), folder)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def check_folder(path: str, what: str) -> None:

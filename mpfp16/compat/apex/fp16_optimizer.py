@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ...optimizer import FP16Optimizer
+from ...parallel.base import any_rank
 from .loss_scaler import AmpLossScaler
 
 __all__ = ["FP16_Optimizer"]
@@ -71,8 +72,8 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
             fp16, masters, fp32 = [], [], []
             for t in group["params"]:
                 model = model_of.get(id(t))
-                if model is None:  # frozen: apex leaves it alone too
-                    continue
+                if model is None or not model.requires_grad:  # frozen: not in apex's lists (the core still
+                    continue  # steps it through its master once it is unfrozen)
                 if model is t:
                     fp32.append(t)
                 else:
@@ -132,15 +133,13 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
     def _found_inf(self) -> bool:
         """Whether any model gradient holds inf/NaN, read without unscaling anything
         (one multi-tensor pass, one host synchronization), the same on every rank."""
-        grads = [p.grad for group in self.fp16_groups + self.fp32_from_fp32_groups for p in group
-                 if p.grad is not None]
-        if not grads:
-            return False
-        peaks = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))])
-        flag = (~torch.isfinite(peaks)).any().float().reshape(1)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        grads = [p.grad for p in self._opt.model_params() if p.requires_grad and p.grad is not None]
+        if grads:
+            peaks = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))])
+            flag = (~torch.isfinite(peaks)).any().float().reshape(1)
+        else:  # still take part in the agreement: every rank makes the same collective calls
+            flag = torch.zeros(1, device=self._opt.model_params()[0].device)
+        return any_rank(flag)
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2):
         """Clip the unscaled fp32 gradients with ``torch.nn.utils.clip_grad_norm_``;

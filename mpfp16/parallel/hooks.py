@@ -25,7 +25,7 @@ The hooks here average a bucket across ranks in one of two ways:
     ``bf16_compress_hook``, ``powerSGD_hook``), as baselines for an fp32 model: the
     first two cast the fp32 bucket to 16 bits, divide by world_size and allreduce it;
     PowerSGD allreduces low-rank factors P and Q of each matrix, with error feedback
-    and warm start (:mod:`mpfp16.powersgd` keeps its state for checkpoints). torch's
+    and warm start (:mod:`mpfp16.parallel.powersgd` keeps its state for checkpoints). torch's
     arithmetic is untouched; mpfp16 only adds the accounting.
 
 :class:`CommStats` counts, for each optimizer step, the logical allreduce calls (one
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .errors import one_line
+from ..errors import compile_errors, one_line
 from .powersgd import PowerSGDMemory
 
 __all__ = ["STRATEGIES", "MPFP16_STRATEGIES", "TORCH_STRATEGIES", "CommStats", "HookState", "allreduce_hook",
@@ -230,12 +230,10 @@ def _reduce(state: HookState, mine: torch.Tensor, others: torch.Tensor, world: i
     hook whose compile failed, with one warning; both compute the same fp32 sum, and
     each shard is reduced by one rank only, so the replicas agree either way."""
     if mine.numel() >= _COMPILE_MIN_NUMEL and state.compile_reduce:
-        from .backends.kernels import COMPILE_ERRORS
-
         try:
             _compiled_reduce_shard()(mine, others, world)
             return
-        except COMPILE_ERRORS as exc:  # a missing compiler, an unsupported device
+        except compile_errors() as exc:  # a missing compiler, an unsupported device
             logger.warning("torch.compile of the fp32-accumulate reduction failed (%s); using eager ops",
                            one_line(exc))
             state.compile_reduce = False
@@ -391,7 +389,7 @@ def bf16_compress_hook(state: HookState, bucket):
 
 def powersgd_hook(state: HookState, bucket):
     """torch's ``powerSGD_hook``, one bucket after the other, counted as torch counts it
-    (:meth:`mpfp16.powersgd.PowerSGDMemory.run` runs it).
+    (:meth:`mpfp16.parallel.powersgd.PowerSGDMemory.run` runs it).
 
     torch's hook issues the P and Q allreduces from its future's callbacks, on a
     communication thread, while the next bucket's hook issues its first allreduce from

@@ -80,7 +80,7 @@ class PowerSGDMemory:
 
     def run(self, bucket) -> tuple[torch.futures.Future, bool]:
         """torch's ``powerSGD_hook`` on DDP's ``bucket``, once the previous bucket's
-        result is in (see :func:`mpfp16.comm.powersgd_hook`). Returns its future and
+        result is in (see :func:`mpfp16.parallel.hooks.powersgd_hook`). Returns its future and
         whether it compressed (False: a plain allreduce, before ``start_powerSGD_iter``)."""
         if self._previous is not None:
             self._previous.wait()

@@ -1,10 +1,12 @@
-"""Checkpoints of a sharded model: each rank writes its shards, any world size reads them.
+"""The DCP-folder format: each rank writes its shards, any world size reads them.
 
-    sharded_checkpoint.save("run/last.dcp", {"model": model.state_dict(), "optimizer": opt.state_dict(), ...})
-    state = sharded_checkpoint.load("run/last.dcp", targets={"model": model.state_dict()})
+    dcp.save("run/last.dcp", {"model": model.state_dict(), "optimizer": opt.state_dict(), ...})
+    state = dcp.load("run/last.dcp", targets={"model": model.state_dict()})   # into this run's sharding
+    state = dcp.load_whole("run/last.dcp")                                     # plain tensors, no process group
 
-A checkpoint is a folder written with ``torch.distributed.checkpoint`` (DCP) and
-named by a symbolic link:
+(:mod:`mpfp16.checkpoint` chooses this format for a sharded model, reads it into either
+layout, and is what the training scripts call.) A checkpoint is a folder written with
+``torch.distributed.checkpoint`` (DCP) and named by a symbolic link:
 
 ``meta.pt``
     everything that is not a sharded tensor (plain tensors, numbers, strings, the
@@ -15,12 +17,13 @@ named by a symbolic link:
 
 **Resharding.** DCP reads any slice of a saved tensor, so a checkpoint saved on N
 ranks loads on M: each sharded tensor is read into a DTensor of the reader's
-sharding, bit for bit.
+sharding, bit for bit, or whole (:func:`load_whole`) by a run that is not sharded.
 
 **Atomic.** Every rank writes into a temporary folder; rank 0 then renames it and
 swaps the link (a new link renamed over the old one, which POSIX makes atomic), and
 only then removes the folder the link named before. A crash at any moment leaves the
-link naming a complete checkpoint, the previous one until the swap.
+link naming a complete checkpoint, the previous one until the swap. Whatever fails
+on any rank, every rank raises the same one-line :class:`CheckpointError`.
 
 **No code runs on load.** DCP reads its ``.metadata`` with ``pickle`` and its
 non-tensor items with ``torch.load(weights_only=False)``. Here ``.metadata`` is read
@@ -31,20 +34,23 @@ the names, shapes and dtypes must be those ``meta.pt`` lists; only then does DCP
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import secrets
 import shutil
+import warnings
 
 import torch
-import torch.distributed as dist
 
-from .errors import CheckpointError, one_line
-from .serialization import fsync_dir, load_weights_only
-from .sharding import is_sharded
+from ..errors import CheckpointError, one_line
+from ..parallel.base import broadcast_object, failures, get_rank, get_world_size, raise_first
+from ..parallel.fsdp_shim import is_sharded
+from ..serialization import fsync_dir, load_weights_only
 
-__all__ = ["FORMAT", "save", "load", "link", "is_checkpoint", "read_meta", "remove_unreferenced"]
+__all__ = ["FORMAT", "META", "save", "load", "load_whole", "inspect", "link", "is_checkpoint", "read_meta",
+           "unlinked_data", "remove_unreferenced", "is_unfinished"]
 
 FORMAT = "mpfp16.sharded-checkpoint/1"
 META = "meta.pt"
@@ -113,36 +119,47 @@ def is_checkpoint(path: str) -> bool:
 
 
 def link(path: str, data_folder: str) -> None:
-    """Point the link ``path`` at ``data_folder`` (in the same folder), atomically."""
+    """Point the link ``path`` at ``data_folder`` (in the same folder), atomically: a new
+    link renamed over the old one. On failure the old link is untouched and the new one
+    is gone."""
     parent = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(parent, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
     os.symlink(os.path.basename(data_folder), tmp)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(parent)
 
 
-def remove_unreferenced(parent: str) -> list[str]:
-    """Delete the data folders in ``parent`` that no link there names, and unfinished
-    writes (``.*.tmp``) that a killed run left. Returns what was removed."""
-    if not os.path.isdir(parent):
+def is_unfinished(name: str) -> bool:
+    """Whether ``name`` (in a checkpoint folder) is what an unfinished write of this
+    format leaves: a temporary data folder (``.sharded-...tmp``) or link
+    (``.last.dcp.XXXX.tmp``)."""
+    return name.startswith(".") and name.endswith(".tmp") and (".dcp." in name or name.startswith(f".{DATA_PREFIX}"))
+
+
+def unlinked_data(parent: str) -> list[str]:
+    """The data folders in ``parent`` that no link there names: a checkpoint replaced
+    by a newer one, or one whose link was never made."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
         return []
-    names = os.listdir(parent)
     kept = {os.path.basename(os.path.realpath(os.path.join(parent, n)))
             for n in names if os.path.islink(os.path.join(parent, n))}
-    removed = []
-    for name in names:
-        full = os.path.join(parent, name)
-        stale_data = name.startswith(DATA_PREFIX) and name not in kept and not os.path.islink(full)
-        stale_tmp = name.startswith(".") and name.endswith(".tmp") and (".dcp" in name or name.startswith(f".{DATA_PREFIX}"))
-        if stale_data or stale_tmp:
-            if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(full)
-                except OSError:
-                    continue
-            removed.append(name)
+    return [n for n in names if n.startswith(DATA_PREFIX) and n not in kept
+            and os.path.isdir(os.path.join(parent, n)) and not os.path.islink(os.path.join(parent, n))]
+
+
+def remove_unreferenced(parent: str) -> list[str]:
+    """Delete the data folders in ``parent`` that no link names (:func:`unlinked_data`).
+    Returns their names."""
+    removed = unlinked_data(parent)
+    for name in removed:
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     return removed
 
 
@@ -158,39 +175,37 @@ DCP_ERRORS = _dcp_errors()
 def _dcp_error(exc: BaseException) -> str:
     """DCP's error in one line: the first failing rank and what it raised (DCP's own
     message carries every rank's traceback)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, failure = sorted(failures.items())[0]
+    failures_ = getattr(exc, "failures", None)
+    if isinstance(failures_, dict) and failures_:
+        rank, failure = sorted(failures_.items())[0]
         inner = failure[0] if isinstance(failure, tuple) else failure
         return f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else inner}"
     return one_line(exc)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _agree(error: str | None) -> None:
-    """Raise the first rank's error on every rank (one small collective)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise CheckpointError(error)
+    """Raise the first failing rank's error on every rank, as one CheckpointError."""
+    raise_first(failures(error), CheckpointError)
 
 
 def _finish(path: str, tmp: str, final: str, skeleton: dict) -> None:
-    """Rank 0, once every rank wrote its shards: meta.pt, then the rename and the link."""
-    meta = {"format": FORMAT, "state": skeleton, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-    with open(os.path.join(tmp, META), "wb") as f:
-        torch.save(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    os.rename(tmp, final)
-    fsync_dir(os.path.dirname(final))
-    link(path, final)
+    """Rank 0, once every rank wrote its shards: meta.pt, then the rename and the link.
+    What the failed attempt made is removed; the link still names the previous
+    checkpoint until the swap."""
+    meta = {"format": FORMAT, "state": skeleton, "world_size": get_world_size()}
+    try:
+        with open(os.path.join(tmp, META), "wb") as f:
+            torch.save(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+        fsync_dir(os.path.dirname(final))
+        link(path, final)
+    except BaseException:
+        if os.path.isdir(final) and os.path.realpath(path) != os.path.realpath(final):
+            shutil.rmtree(final, ignore_errors=True)
+        raise
     remove_unreferenced(os.path.dirname(final))
 
 
@@ -201,21 +216,23 @@ def save(path: str, state: dict, tag: str = "") -> str:
     ``state`` holds nested dicts and lists of DTensors (sharded along dim 0, as
     :func:`mpfp16.distributed.shard` makes them), plain tensors and plain values;
     everything but the DTensors is rank 0's.
+
+    Raises:
+        CheckpointError: one line, the same on every rank, whatever failed on any rank
+            (a full disk while writing shards, anything raised while rank 0 finishes);
+            the link still names the previous checkpoint, and the attempt left nothing.
     """
     import torch.distributed.checkpoint as dcp
 
     parent = os.path.dirname(os.path.abspath(path))
     dtensors: dict = {}
     skeleton = _split(state, "", dtensors)
-    stamp = f"{DATA_PREFIX}{tag + '-' if tag else ''}{secrets.token_hex(4)}"
-    if dist.is_initialized():
-        holder = [stamp]
-        dist.broadcast_object_list(holder, src=0)
-        stamp = holder[0]
+    stamp = broadcast_object(f"{DATA_PREFIX}{tag + '-' if tag else ''}{secrets.token_hex(4)}")
     tmp = os.path.join(parent, f".{stamp}.tmp")
     final = os.path.join(parent, stamp)
+    main = get_rank() == 0
     error = None
-    if _rank() == 0:
+    if main:
         try:
             os.makedirs(tmp)
         except OSError as exc:
@@ -227,14 +244,14 @@ def save(path: str, state: dict, tag: str = "") -> str:
         except DCP_ERRORS as exc:  # a full disk on one rank: DCP tells every rank
             error = f"cannot write checkpoint {path}: {_dcp_error(exc)}"
         _agree(error)
-        if _rank() == 0:
+        if main:
             try:
                 _finish(path, tmp, final, skeleton)
-            except OSError as exc:
+            except Exception as exc:  # not only OSError: every rank must hear of it now, not at a timeout
                 error = f"cannot write checkpoint {path}: {one_line(exc)}"
         _agree(error)
     finally:
-        if _rank() == 0 and os.path.isdir(tmp):  # a failed write leaves nothing behind
+        if main and os.path.isdir(tmp):  # a failed write leaves nothing behind
             shutil.rmtree(tmp, ignore_errors=True)
     return final
 
@@ -314,11 +331,22 @@ def read_meta(path: str) -> dict:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path} is a file, not a sharded checkpoint folder (an unsharded run's checkpoint: "
-                              "resume it without --shard)")
+        raise CheckpointError(f"{path} is a file, not a sharded checkpoint folder")
     meta = load_weights_only(os.path.join(path, META))
     if meta.get("format") != FORMAT or not isinstance(meta.get("state"), dict):
         raise CheckpointError(f"{path} is not an mpfp16 sharded checkpoint (no 'format': '{FORMAT}' in {META})")
+    return meta
+
+
+def inspect(path: str) -> dict:
+    """``meta.pt`` of the checkpoint ``path``, once its ``.metadata`` was read safely and
+    found to list exactly the tensors ``meta.pt`` names (this rank alone).
+
+    Raises:
+        CheckpointError: as :func:`load`.
+    """
+    meta = read_meta(path)
+    _check_metadata(path, _markers(meta["state"], {}))
     return meta
 
 
@@ -375,4 +403,29 @@ def load(path: str, targets: dict | None = None, mesh=None) -> dict:
     except DCP_ERRORS as exc:
         error = f"checkpoint {path} does not load: {_dcp_error(exc)}"
     _agree(error)
+    return _join(meta["state"], buffers)
+
+
+def load_whole(path: str) -> dict:
+    """Read the checkpoint ``path`` whole, into plain CPU tensors of the saved shapes:
+    for a run that is not sharded, on any number of ranks, with or without a process
+    group. Each rank reads on its own (no collective), so a caller on several ranks
+    agrees on the outcome itself (:func:`mpfp16.checkpoint.read` does).
+
+    Raises:
+        CheckpointError: one line, on this rank: as :func:`load`.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(path)
+    markers = _markers(meta["state"], {})
+    metadata = _check_metadata(path, markers)
+    buffers = {key: torch.empty(marker["shape"], dtype=getattr(torch, marker["dtype"]))
+               for key, marker in markers.items()}
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist says so already
+            dcp.load(buffers, storage_reader=_reader(path, metadata), no_dist=True)
+    except DCP_ERRORS as exc:
+        raise CheckpointError(f"checkpoint {path} does not load: {_dcp_error(exc)}") from None
     return _join(meta["state"], buffers)

@@ -1,5 +1,5 @@
 """Single-pass optimizer updates over flat buffers, compiled with torch.compile: the
-kernels of the fused backend (mpfp16/backends/fused.py). Importing this module
+kernels of the fused backend (mpfp16/stores/fused.py). Importing this module
 imports torch's compiler stack, so nothing imports it before a fused step needs it.
 
 One kernel per flat segment reads the 16-bit gradient, unscales (and clips) it in
@@ -25,16 +25,14 @@ never triggers a recompilation.
 from __future__ import annotations
 
 import logging
-import subprocess
 import types
 
 import torch
 import torch._dynamo
-import torch._dynamo.exc
 import torch._inductor.config
-import torch._inductor.exc
 from torch._inductor import inductor_prims
 
+from ..errors import compile_errors
 from ..rounding import write_weights
 
 logger = logging.getLogger("mpfp16")
@@ -84,19 +82,8 @@ def lerp(a, b, weight, low: bool | None = None):
     return _fma(weight, diff, a) if low else _fma(weight - 1, diff, b)
 
 
-# What compiling a kernel can raise: dynamo's and inductor's own errors (a missing or
-# broken C++ compiler arrives as InductorError), a compiler that cannot be run, and
-# the recompile limit. Anything else is a bug and propagates.
-COMPILE_ERRORS = (
-    torch._dynamo.exc.TorchDynamoException,
-    torch._dynamo.exc.FailOnRecompileLimitHit,
-    torch._dynamo.exc.TritonUnavailableError,
-    torch._inductor.exc.InvalidCxxCompiler,
-    torch._inductor.exc.CppCompileError,
-    torch._inductor.exc.OperatorIssue,
-    subprocess.CalledProcessError,
-    OSError,
-)
+# What compiling a kernel can raise (mpfp16.errors.compile_errors: one list for every compile).
+COMPILE_ERRORS = compile_errors()
 
 
 def _unscaled(grad, inv_scale, clip_coef, maximize: bool):

@@ -31,9 +31,10 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from .errors import ReplicaDivergenceError
-from .flat import is_dense
-from .sharding import is_sharded
+from ..errors import ReplicaDivergenceError
+from ..flat import is_dense
+from .base import all_gather_object, get_world_size, group_ranks, is_initialized
+from .fsdp_shim import is_sharded
 
 __all__ = ["ReplicaDivergenceError", "check_replicas", "tensor_checksum"]
 
@@ -177,22 +178,20 @@ def check_replicas(model: torch.nn.Module, optimizer=None, *, process_group=None
         ReplicaDivergenceError: on every rank, naming the first tensor (or optimizer
             value) that differs and which ranks hold which value.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(process_group) == 1:
+    if not is_initialized() or get_world_size(process_group) == 1:
         return 0
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(process_group) == "nccl" else None
     tensors, values, param_names = collect(model, optimizer, buffers)
     summary, sums = local_summary(tensors, values, device)
-    world = dist.get_world_size(process_group)
+    world = get_world_size(process_group)
     gathered = [torch.empty_like(summary) for _ in range(world)]
     dist.all_gather(gathered, summary, group=process_group)
     rows = torch.stack(gathered).tolist()  # the one host synchronization
     if all(row == rows[0] for row in rows):
         return len(tensors)
     report = {"paths": [p for p, _ in tensors], "sums": sums.cpu().tolist(), "values": values}
-    reports = [None] * world
-    dist.all_gather_object(reports, report, group=process_group)
-    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else list(range(world))
-    raise ReplicaDivergenceError(_describe(reports, ranks, param_names, context))
+    reports = all_gather_object(report, group=process_group)
+    raise ReplicaDivergenceError(_describe(reports, group_ranks(process_group), param_names, context))
 
 
 def _sides(keys: list, ranks: list[int]) -> str:

@@ -1,8 +1,15 @@
-"""The fused step backend: SGD, Adam and AdamW as one compiled kernel per flat
-segment that reads the gradient, updates the fp32 master and the optimizer state and
-writes the 16-bit weight, with no fp32 gradient buffer (mpfp16/backends/kernels.py).
+"""The fused step of the flat store: SGD, Adam and AdamW as one compiled kernel per
+flat segment that reads the gradient, updates the fp32 master and the optimizer state
+and writes the 16-bit weight, with no fp32 gradient buffer (mpfp16/stores/kernels.py).
 
-The kernels are compiled in :meth:`FusedBackend.prepare`, on scratch tensors, before
+A segment is a run of parameters of one param group that are stepped this step (they
+require grad) and whose optimizer state is at the same point (SGD: a momentum buffer
+or none yet; Adam: the same step count), so that one kernel call steps them all. A
+parameter frozen mid-run is left out, and one unfrozen later is stepped from its own
+state: the segments are made again whenever the set of parameters that require grad
+changes.
+
+The kernels are compiled in :meth:`FusedStep.prepare`, on scratch tensors, before
 the first step writes anything; this module itself imports no compiler, so
 ``import mpfp16`` stays light and a ``fused=False`` run never imports inductor.
 """
@@ -11,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from . import total_norm, unscale_into_master_grads
+from .base import unscale_and_check
+from .segments import runs
 
-__all__ = ["FusedBackend", "SUPPORTED", "unsupported_reason", "fast_path_flag"]
+__all__ = ["FusedStep", "SUPPORTED", "unsupported_reason", "fast_path_flag"]
 
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
@@ -52,18 +60,16 @@ def _value(x) -> float:
     return float(x) if torch.is_tensor(x) else x
 
 
-class FusedBackend:
+class FusedStep:
     """Runs the step of an SGD/Adam/AdamW inner optimizer as fused kernels over the
-    flat segments of FP16Optimizer's buffers, keeping the inner optimizer's ``state``
-    in its usual per-parameter form (each entry a view of a flat state buffer), so
-    that ``state_dict()`` is the same whichever backend stepped.
+    segments of the flat store's buffers (module docstring), keeping the inner
+    optimizer's ``state`` in its usual per-parameter form (each entry a view of a flat
+    state buffer), so that ``state_dict()`` is the same whichever step ran.
 
     The kernels read the 16-bit gradients and unscale them on the fly, or, after
     ``unscale(..., materialize=True)`` (what ``FP16Optimizer.unscale_()`` asks for),
     the unscaled fp32 gradients that it wrote into the masters' ``.grad``.
     """
-
-    name = "fused"
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups, stepped, rounding: str = "nearest") -> None:
         self.optimizer = optimizer
@@ -72,9 +78,10 @@ class FusedBackend:
         self.rounding = rounding
         self.is_sgd = type(optimizer) is torch.optim.SGD
         self._flat_state: dict = {}  # (flat group index, state name) -> flat fp32 buffer
+        self._segments: dict = {}  # flat group index -> the segments stepped (module docstring)
         self._steps: dict = {}  # (flat group index, segment index) -> Adam step counters
-        self._adopted = False
-        self._from_master_grads = False  # this step reads the unscaled fp32 gradients
+        self._adopted_for = None  # the requires_grad pattern the segments were made for
+        self.from_master_grads = False  # this step reads the unscaled fp32 gradients
         self._inv_scale: torch.Tensor | None = None
         self._sumsq: torch.Tensor | None = None
 
@@ -85,9 +92,12 @@ class FusedBackend:
         gradient buffers (and their sum of squares when ``with_norm``)."""
         from . import kernels
 
-        self._from_master_grads = materialize
+        self.from_master_grads = materialize
         if materialize:
-            return unscale_into_master_grads(self.groups, scale)
+            for g in self.groups:
+                if g.half:
+                    g.grads_to_master()
+            return unscale_and_check([t for g in self.groups for t in g.fp32_grads()], scale)
         device = self.groups[0].device
         self._inv_scale = kernels.scalar(1.0 / scale, device)
         kernel = kernels.compiled(kernels.grad_stats, with_norm=with_norm)
@@ -99,25 +109,42 @@ class FusedBackend:
 
     def grad_norm(self) -> torch.Tensor:
         """From the flat sum of squares, which can differ from clip_grad_norm_'s
-        per-tensor norms in the last bits; from the fp32 gradients as the unfused
-        backend computes it after ``unscale_()``."""
-        return total_norm(self.stepped) if self._from_master_grads else self._sumsq.sqrt()
+        per-tensor norms in the last bits (the flat store computes it from the fp32
+        gradients as the unfused step does after ``unscale_()``)."""
+        return self._sumsq.sqrt()
 
     def invalidate(self) -> None:
         """The inner optimizer's state was replaced (load_state_dict): adopt it again."""
-        self._adopted = False
+        self._adopted_for = None
 
     def _state_names(self, hyper: dict) -> tuple[str, ...]:
         if self.is_sgd:
             return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
         return ("exp_avg", "exp_avg_sq")
 
-    def _adopt(self) -> None:
-        """Make every state tensor a view of a flat buffer, copying in what exists."""
+    def _state_key(self, master: torch.Tensor, hyper: dict):
+        """What a segment's parameters must share besides their param group: SGD,
+        whether the momentum buffer exists; Adam, the step count."""
+        state = self.optimizer.state.get(master, {})
+        if self.is_sgd:
+            return "momentum_buffer" in state
+        return float(state.get("step", 0.0))
+
+    def _adopt(self, pattern: tuple) -> None:
+        """Make the segments for the parameters that require grad now, and every state
+        tensor of theirs a view of a flat buffer, copying in what exists."""
         state = self.optimizer.state
+        groups = self.optimizer.param_groups
+        self._segments.clear()
+        self._steps.clear()
         for gi, g in enumerate(self.groups):
-            for si, segment in enumerate(g.segments):
-                hyper = self.optimizer.param_groups[segment.group_index]
+            param_group = [segment.group_index for segment in g.segments for _ in segment.indices]
+            keys = [(pg, p.requires_grad, self._state_key(m, groups[pg]) if p.requires_grad else None)
+                    for pg, p, m in zip(param_group, g.params, g.master_views)]
+            segments = [s for s in runs(keys, g.layout) if s.key[1]]  # the parameters stepped
+            self._segments[gi] = segments
+            for si, segment in enumerate(segments):
+                hyper = groups[segment.group_index]
                 for name in self._state_names(hyper):
                     key = (gi, name)
                     if key not in self._flat_state:
@@ -132,31 +159,27 @@ class FusedBackend:
                             state[p][name] = view
                 if not self.is_sgd:
                     # Adam's per-parameter step counters, as views of one tensor per
-                    # segment, so that a step increments them all with one add.
-                    steps = torch.zeros(len(segment.indices), dtype=torch.float32)
+                    # segment (all equal: the segment's key), so that a step
+                    # increments them all with one add.
+                    steps = torch.full((len(segment.indices),), float(segment.key[2]), dtype=torch.float32)
                     for k, i in enumerate(segment.indices):
-                        existing = state[g.master_views[i]].get("step")
-                        if existing is not None:
-                            steps[k] = float(existing)
                         state[g.master_views[i]]["step"] = steps[k]
-                    if steps.unique().numel() > 1:
-                        raise RuntimeError("Adam step counters differ within a param group; the fused step "
-                                           "needs them equal (use fused=False)")
                     self._steps[(gi, si)] = steps
-        self._adopted = True
+        self._adopted_for = pattern
 
     def update(self, clip_coef: torch.Tensor | None, noise: list) -> None:
         """One kernel per segment: update, and write the new 16-bit weights."""
         from . import kernels
 
-        if not self._adopted:
-            self._adopt()
+        pattern = tuple(p.requires_grad for g in self.groups for p in g.params)
+        if self._adopted_for != pattern:
+            self._adopt(pattern)
         device = self.groups[0].device
         one = kernels.scalar(1.0, device)
-        inv_scale = one if self._from_master_grads else self._inv_scale
+        inv_scale = one if self.from_master_grads else self._inv_scale
         clip_coef = one if clip_coef is None else clip_coef
         for gi, g in enumerate(self.groups):
-            for si, segment in enumerate(g.segments):
+            for si, segment in enumerate(self._segments[gi]):
                 hyper = self.optimizer.param_groups[segment.group_index]
                 if self.is_sgd:
                     self._sgd(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi])
@@ -169,7 +192,7 @@ class FusedBackend:
     def _slices(self, gi, g, segment, names, noise):
         s = segment.range
         master = g.master[s] if g.has_master else None
-        grad = g.master_grads[s] if self._from_master_grads else g.grads[s]
+        grad = g.master_grads[s] if self.from_master_grads else g.grads[s]
         extras = (noise[s] if noise is not None else None, g.comp[s] if g.comp is not None else None)
         return g.weights[s], grad, master, [self._flat_state[(gi, n)][s] for n in names], extras
 
@@ -234,12 +257,6 @@ class FusedBackend:
         return dict(has_master=has_master, has_weight_decay=hyper["weight_decay"] != 0,
                     decoupled=bool(hyper.get("decoupled_weight_decay", False)), maximize=bool(hyper["maximize"]),
                     lerp_low=abs(1 - hyper["betas"][0]) < 0.5, rounding=rounding)
-
-    def copy_back(self, noise: list) -> None:
-        """Nothing to copy: the kernels wrote the 16-bit weights. The fp32 gradients of
-        groups without master weights, if ``unscale_()`` made them, are freed."""
-        for g in self.groups:
-            g.release()
 
     def prepare(self, fp32_grads: bool = False) -> None:
         """Compile every kernel variant this optimizer will need, on scratch tensors,

@@ -10,42 +10,39 @@ Before a unit's forward (and backward) FSDP2 casts its shards to ``param_dtype``
 all-gathers them, so the model computes in fp16 as a :func:`mpfp16.to_half` model
 does; after backward it reduce-scatters the 16-bit gradients in ``reduce_dtype`` and
 casts each rank's shard to fp32. Normalization layers keep fp32 parameters (and
-reduce in fp32), as ``to_half`` keeps them. :class:`mpfp16.FP16Optimizer` unscales,
-checks, clips and steps the fp32 shards; there is nothing to copy back, since the next
-forward all-gathers the new fp16 values.
+reduce in fp32), as ``to_half`` keeps them: one policy, :func:`mpfp16.convert.keeps_fp32`.
+:class:`mpfp16.FP16Optimizer` unscales, checks, clips and steps the fp32 shards; there
+is nothing to copy back, since the next forward all-gathers the new fp16 values.
 
 The differences from DDP, all of FSDP2's making: the all-gathers (one per unit per
 forward, and per backward with ``reshard_after_forward``), and the gradient
 reduction: FSDP2 divides fp16 gradients by about sqrt(N) before the sum and by the
 rest after it, where mpfp16's DDP hook sums first (equal for N = 2 except in
 subnormals; for N > 2 it differs in rounding only).
+
+What mpfp16 knows of a sharded model is in its handle (:mod:`mpfp16.parallel.handles`);
+the FSDP2 internals it reads are in :mod:`mpfp16.parallel.fsdp_shim`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import CommStats
-from .convert import HALF_DTYPES, NORM_TYPES
+from ..convert import HALF_DTYPES, keeps_fp32
+from ..errors import library_words
+from . import base
+from .fsdp_shim import accounted_collectives
+from .handles import Handle, handle_of, register
+from .hooks import CommStats
 
-__all__ = ["shard", "is_sharded", "is_sharded_model", "sharded_params", "find_blocks", "set_gradient_sync",
-           "ShardCommStats"]
+__all__ = ["shard", "check_options", "is_sharded_model", "find_blocks", "set_gradient_sync", "ShardCommStats",
+           "REDUCE_DTYPES"]
 
-
-def is_sharded(tensor: torch.Tensor) -> bool:
-    """True for a DTensor: a parameter that FSDP2 (or another DTensor API) sharded."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def sharded_params(params) -> list[torch.Tensor]:
-    return [p for p in params if is_sharded(p)]
+REDUCE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)  # reduce_dtype's choices; None: param_dtype
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -60,60 +57,16 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         if isinstance(module, (nn.Sequential, nn.ModuleList)):
             for child in module.children():
                 has_children = next(child.children(), None) is not None
-                if has_children and not isinstance(child, NORM_TYPES) and any(True for _ in child.parameters()):
+                if has_children and not keeps_fp32(child) and any(True for _ in child.parameters()):
                     blocks.append(child)
 
     visit(model)
     return blocks
 
 
-class _Accounted:
-    """Wraps one of FSDP2's default collectives and records its payload and time."""
-
-    def __init__(self, inner, stats: CommStats, busy: list) -> None:
-        self.inner, self.stats, self.busy = inner, stats, busy
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.inner.allocate(size, dtype=dtype, device=device)
-
-    def _record(self, numel: int, dtype: torch.dtype, started: float, work):
-        self.stats.launched(numel, dtype, at=started)
-
-        def done(_fut=None):
-            self.busy[0] += time.perf_counter() - started
-            self.stats.finished()
-
-        if work is None:
-            done()
-            return None
-        work.get_future().then(done)
-        return work
-
-
-def _accounted_comms(stats: ShardCommStats):
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-
-    class AccountedAllGather(_Accounted, AllGather):
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            # The payload is the whole gathered buffer, as nccl-tests counts an all-gather.
-            started = time.perf_counter()
-            work = self.inner(output_tensor, input_tensor, group, async_op=async_op)
-            return self._record(output_tensor.numel(), output_tensor.dtype, started, work)
-
-    class AccountedReduceScatter(_Accounted, ReduceScatter):
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            started = time.perf_counter()
-            work = self.inner(output_tensor, input_tensor, group, op, async_op=async_op)
-            return self._record(input_tensor.numel(), input_tensor.dtype, started, work)
-
-    return (AccountedAllGather(DefaultAllGather(), stats.all_gather, stats._busy["all_gather"]),
-            AccountedReduceScatter(DefaultReduceScatter(), stats.reduce_scatter, stats._busy["reduce_scatter"]))
-
-
 class ShardCommStats:
     """Per-step communication of a sharded model: all-gathers (of parameters) and
-    reduce-scatters (of gradients), each a :class:`mpfp16.comm.CommStats`."""
+    reduce-scatters (of gradients), each a :class:`mpfp16.parallel.hooks.CommStats`."""
 
     def __init__(self) -> None:
         self.all_gather = CommStats()
@@ -126,8 +79,8 @@ class ShardCommStats:
 
     def pop_step(self) -> dict:
         """``{all_gather,reduce_scatter}_{calls,bytes,time_s,wait_s}`` since the last
-        call (see :meth:`mpfp16.comm.CommStats.pop_step`; a round is a forward and its
-        backward, so the all-gathers' ``time_s`` spans both), ``*_busy_s``: each
+        call (see :meth:`mpfp16.parallel.hooks.CommStats.pop_step`; a round is a
+        forward and its backward, so the all-gathers' ``time_s`` spans both), ``*_busy_s``: each
         collective's time from launch to result, summed over the calls, and
         ``allreduce_calls``/``allreduce_bytes`` (0: a sharded model allreduces nothing)."""
         out = {"allreduce_calls": 0, "allreduce_bytes": 0}
@@ -137,15 +90,22 @@ class ShardCommStats:
             out[f"{kind}_busy_s"], self._busy[kind][0] = self._busy[kind][0], 0.0
         return out
 
+    def collectives(self):
+        """FSDP2's all-gather and reduce-scatter, counting into these figures
+        (:func:`mpfp16.parallel.fsdp_shim.accounted_collectives`)."""
+        return accounted_collectives(self.all_gather, self._busy["all_gather"], self.reduce_scatter,
+                                     self._busy["reduce_scatter"])
+
 
 @torch.no_grad()
 def _as_to_half(model: nn.Module, dtype: torch.dtype) -> None:
     """What :func:`mpfp16.to_half` would make of ``model``, kept in fp32: parameters of
-    layers other than normalization layers rounded to ``dtype`` (the masters then start
-    from the 16-bit weights, as they do on the DDP path), and their floating-point
-    buffers cast to ``dtype`` (normalization statistics stay fp32)."""
+    the layers it converts (all but those :func:`mpfp16.convert.keeps_fp32`)
+    rounded to ``dtype`` (the masters then start from the 16-bit weights, as they do on
+    the DDP path), and their floating-point buffers cast to ``dtype`` (normalization
+    statistics stay fp32)."""
     for module in model.modules():
-        if isinstance(module, NORM_TYPES):
+        if keeps_fp32(module):
             continue
         for p in module.parameters(recurse=False):
             p.copy_(p.to(dtype))
@@ -166,11 +126,28 @@ class _BufferSync:
     def before_forward(self, module, args) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
-        if self.next_forward and dist.get_world_size(self.group) > 1:
-            from .distributed import broadcast_buffers  # distributed imports this module
+        if self.next_forward and base.get_world_size(self.group) > 1:
+            base.broadcast_buffers(module, src=dist.get_global_rank(self.group, 0), process_group=self.group)
+        handle = handle_of(module)
+        self.next_forward = handle.sync if handle is not None else True
 
-            broadcast_buffers(module, src=dist.get_global_rank(self.group, 0), process_group=self.group)
-        self.next_forward = getattr(module, "_mpfp16_sync", True)
+
+def check_options(param_dtype: torch.dtype, reduce_dtype: torch.dtype | None, say=library_words) -> None:
+    """Refuse, in one line, dtypes :func:`shard` cannot honour.
+
+    Args:
+        param_dtype, reduce_dtype: as :func:`shard` takes them.
+        say: ``say(name, value)`` words an option as the caller spells it (default
+            ``name=value``).
+
+    Raises:
+        ValueError: naming the option refused.
+    """
+    if param_dtype not in HALF_DTYPES:
+        raise ValueError(f"{say('param_dtype', param_dtype)} is not possible for a sharded model: it computes in "
+                         "float16 or bfloat16 over its sharded fp32 masters")
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"{say('reduce_dtype', reduce_dtype)} must be None, float16, bfloat16 or float32")
 
 
 def shard(model: nn.Module, param_dtype: torch.dtype = torch.float16, reduce_dtype: torch.dtype | None = None,
@@ -194,23 +171,25 @@ def shard(model: nn.Module, param_dtype: torch.dtype = torch.float16, reduce_dty
             as DDP does (module docstring of :class:`_BufferSync`).
 
     Returns:
-        ``model``, now an ``FSDPModule``. Its per-step communication figures are
-        ``mpfp16.distributed.comm_stats(model).pop_step()``; accumulate without
-        communication under ``mpfp16.distributed.sync_gradients(model, False)``.
+        ``model``, now an ``FSDPModule``, registered with a ``"sharded"`` handle
+        (:func:`mpfp16.parallel.handles.handle_of`). Its per-step communication
+        figures are ``mpfp16.distributed.comm_stats(model).pop_step()``; accumulate
+        without communication under ``mpfp16.distributed.sync_gradients(model, False)``.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not base.is_initialized():
         raise RuntimeError("shard() needs torch.distributed: call mpfp16.distributed.init() first (under torchrun, "
                            "or for one process)")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise TypeError("shard() got a DistributedDataParallel module: shard the plain model instead of wrapping it")
     if isinstance(model, FSDPModule):
         raise ValueError("the model is already sharded: call shard() once")
-    if param_dtype not in HALF_DTYPES:
-        raise ValueError(f"param_dtype must be torch.float16 or torch.bfloat16, got {param_dtype}")
-    if reduce_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"reduce_dtype must be None, float16, bfloat16 or float32, got {reduce_dtype}")
+    check_options(param_dtype, reduce_dtype)
+    not_contiguous = [name for name, p in model.named_parameters() if not p.is_contiguous()]
+    if not_contiguous:  # FSDP2 itself would raise NotImplementedError at its first forward
+        raise ValueError(f"parameter {not_contiguous[0]} is not contiguous (channels_last, say), and FSDP2 shards "
+                         "contiguous parameters only: shard the model in its default memory format")
     not_fp32 = [(name, p.dtype) for name, p in model.named_parameters() if p.dtype != torch.float32]
     if not_fp32:
         name, dtype = not_fp32[0]
@@ -223,7 +202,7 @@ def shard(model: nn.Module, param_dtype: torch.dtype = torch.float16, reduce_dty
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     group = mesh.get_group()
     stats = ShardCommStats()
-    gather, scatter = _accounted_comms(stats)
+    gather, scatter = stats.collectives()
     # gloo has no AVG reduction: there FSDP2 must sum and divide (it does so for fp16 anyway).
     force_sum = dist.get_backend(group) == "gloo"
 
@@ -237,16 +216,14 @@ def shard(model: nn.Module, param_dtype: torch.dtype = torch.float16, reduce_dty
     _as_to_half(model, param_dtype)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for module in model.modules():
-        if isinstance(module, NORM_TYPES) and any(True for _ in module.parameters(recurse=False)):
+        if keeps_fp32(module) and any(True for _ in module.parameters(recurse=False)):
             unit(module, fp32)
     half = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in (find_blocks(model) if blocks is None else blocks):
         if block is not model:
             unit(block, half)
     unit(model, MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32))
-    model._mpfp16_shard_stats = stats
-    model._mpfp16_param_dtype = param_dtype
-    model._mpfp16_sync = True
+    register(model, Handle("sharded", stats=stats, group=group, param_dtype=param_dtype))
     model.register_forward_pre_hook(lambda module, args: stats.new_round())
     if broadcast_buffers:
         model.register_forward_pre_hook(_BufferSync(group).before_forward)
@@ -255,22 +232,28 @@ def shard(model: nn.Module, param_dtype: torch.dtype = torch.float16, reduce_dty
 
 def set_gradient_sync(model: nn.Module, sync: bool):
     """A context in which a sharded model's backward reduce-scatters (``sync``) or
-    accumulates its unsharded gradients locally (FSDP2's ``set_requires_gradient_sync``)."""
+    accumulates its unsharded gradients locally (FSDP2's ``set_requires_gradient_sync``).
+    The handle records the setting, so that the buffer sync knows whether the next
+    forward starts a step."""
+    handle = handle_of(model)
 
     @contextlib.contextmanager
     def ctx():
-        before = getattr(model, "_mpfp16_sync", True)
+        before = handle.sync if handle is not None else True
         model.set_requires_gradient_sync(sync)
-        model._mpfp16_sync = sync
+        if handle is not None:
+            handle.sync = sync
         try:
             yield
         finally:
             model.set_requires_gradient_sync(before)
-            model._mpfp16_sync = before
+            if handle is not None:
+                handle.sync = before
 
     return ctx()
 
 
 def is_sharded_model(model: nn.Module) -> bool:
-    return hasattr(model, "_mpfp16_shard_stats")
-
+    """True for the model :func:`shard` returned."""
+    handle = handle_of(model)
+    return handle is not None and handle.kind == "sharded"

@@ -1,0 +1,227 @@
+"""DistributedDataParallel with an mpfp16 communication hook (:func:`wrap`), the rules
+on its options (:func:`check_options`, also the training configuration's), and the
+hook state a checkpoint keeps for an exact resume (:func:`comm_state_dict`)."""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+from torch.nn.parallel import DistributedDataParallel
+
+from ..errors import library_words
+from .base import is_initialized
+from .handles import Handle, handle_of, register
+from .hooks import HOOKS, STRATEGIES, TORCH_STRATEGIES, HookState
+from .powersgd import RANDOM_SEED, PowerSGDMemory
+from .setup import close_at_teardown
+
+__all__ = ["wrap", "check_options", "comm_state_dict", "load_comm_state_dict", "WIRE_DTYPES"]
+
+WIRE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)  # allreduce_dtype's choices; None: the gradients'
+
+
+def check_options(*, strategy: str, allreduce_dtype: torch.dtype | None, predivide_factor: float, bucket_mb: float,
+                  powersgd_rank: int, powersgd_start_iter: int, grads_16bit: bool | None,
+                  grad_dtypes: tuple[str, ...] = (), say=library_words) -> None:
+    """Refuse, in one line, DDP options that :func:`wrap` cannot honour.
+
+    torch's compression hooks (``fp16_compress``, ``bf16_compress``, ``powersgd``) are
+    baselines for an fp32 model, with their own wire dtype and division: with 16-bit
+    gradients they would cast nothing or compress what is already compressed, and
+    they would ignore ``allreduce_dtype`` and ``predivide_factor``.
+
+    Args:
+        strategy, allreduce_dtype, predivide_factor, bucket_mb, powersgd_rank,
+        powersgd_start_iter: as :func:`wrap` takes them.
+        grads_16bit: whether the model's trainable parameters (so its gradients) are
+            16-bit; None when not known yet (that rule is then not checked).
+        grad_dtypes: the names of those 16-bit dtypes (``("float16",)``), for the
+            message; optional.
+        say: ``say(name, value)`` words an option as the caller spells it (default
+            ``name=value``; the scripts say ``--allreduce-strategy powersgd``).
+
+    Raises:
+        ValueError: naming the first option refused.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown {say('strategy', strategy)}; choose one of {', '.join(STRATEGIES)}")
+    if allreduce_dtype not in WIRE_DTYPES:
+        raise ValueError(f"{say('allreduce_dtype', allreduce_dtype)} must be None, float16, bfloat16 or float32")
+    if strategy == "fp32_accumulate" and allreduce_dtype is not None:
+        raise ValueError(f"{say('strategy', strategy)} sends the gradients' own 16-bit dtype; leave "
+                         f"{say('allreduce_dtype', None)}")
+    if not predivide_factor > 0:
+        raise ValueError(f"{say('predivide_factor', predivide_factor)} must be positive")
+    if not bucket_mb > 0:
+        raise ValueError(f"{say('bucket_mb', bucket_mb)} must be positive")
+    powersgd = (("powersgd_rank", powersgd_rank, 1, ""),
+                ("powersgd_start_iter", powersgd_start_iter, 2,
+                 " (torch's minimum with error feedback and warm start)"))
+    for name, value, minimum, why in powersgd:
+        if not (isinstance(value, int) and value >= minimum):
+            raise ValueError(f"{say(name, value)} must be an integer >= {minimum}{why}")
+    for name, value, default, _ in powersgd:  # the defaults are the minimums
+        if strategy != "powersgd" and value != default:
+            raise ValueError(f"{say(name, value)} applies to {say('strategy', 'powersgd')} only, not "
+                             f"{say('strategy', strategy)}")
+    if strategy not in TORCH_STRATEGIES:
+        return
+    if grads_16bit:
+        which = f" ({', '.join(grad_dtypes)})" if grad_dtypes else ""
+        raise ValueError(f"{say('strategy', strategy)} is torch's compression hook for an fp32 model, and this "
+                         f"model's gradients are already 16-bit{which}: use {say('strategy', 'allreduce')} or "
+                         f"{say('strategy', 'fp32_accumulate')}")
+    if allreduce_dtype is not None:
+        raise ValueError(f"{say('strategy', strategy)} decides its own wire dtype; leave "
+                         f"{say('allreduce_dtype', None)}")
+    if predivide_factor != 1:
+        raise ValueError(f"{say('strategy', strategy)} divides by the world size itself; leave "
+                         f"{say('predivide_factor', 1.0)}")
+
+
+def _half_dtypes(model: torch.nn.Module) -> list[str]:
+    """The 16-bit dtypes of ``model``'s trainable parameters, by name."""
+    return sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
+                   if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)})
+
+
+def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, predivide_factor: float = 1.0,
+         bucket_mb: float = 25, strategy: str = "allreduce", *, powersgd_rank: int = 1, powersgd_start_iter: int = 2,
+         device_ids=None, process_group=None, broadcast_buffers: bool = True, find_unused_parameters: bool = False,
+         static_graph: bool = False) -> DistributedDataParallel:
+    """Wrap ``model`` in DistributedDataParallel with an mpfp16 communication hook.
+
+    Args:
+        model: the (16-bit) model, already on its device.
+        allreduce_dtype: the dtype on the wire for ``strategy="allreduce"``; default
+            the gradients' own (fp16 for an fp16 model). ``torch.float32`` upcasts.
+        predivide_factor: divide by f before the sum and by world_size/f after it
+            (apex's ``gradient_predivide_factor``). 1 sums first; world_size divides
+            first, as DDP's default hook does.
+        bucket_mb: DDP bucket size in MiB (apex's ``message_size``).
+        strategy: ``"allreduce"`` or ``"fp32_accumulate"`` (16-bit wire, fp32 sums);
+            or, for an fp32 model, one of torch's compression hooks as a baseline:
+            ``"fp16_compress"``, ``"bf16_compress"``, ``"powersgd"`` (see
+            :mod:`mpfp16.parallel.hooks`).
+        powersgd_rank: PowerSGD's ``matrix_approximation_rank``.
+        powersgd_start_iter: PowerSGD's ``start_powerSGD_iter``: optimizer steps of
+            plain allreduce before compression starts; at least 2, torch's minimum with
+            error feedback and warm start (both on).
+        device_ids, process_group, broadcast_buffers, find_unused_parameters,
+        static_graph: passed to DDP. BatchNorm buffers are broadcast from rank 0 at
+            each forward when ``broadcast_buffers`` is True, as DDP does.
+
+    Returns:
+        The DDP module; its per-step communication figures are
+        ``comm_stats(ddp).pop_step()``, and the state a checkpoint must keep for an
+        exact resume (PowerSGD's) is ``comm_state_dict(ddp)``.
+
+    Raises:
+        ValueError: in one line, for the options :func:`check_options` refuses.
+    """
+    if not is_initialized():
+        raise RuntimeError("wrap() needs torch.distributed: call mpfp16.distributed.init() under torchrun")
+    half = _half_dtypes(model)
+    check_options(strategy=strategy, allreduce_dtype=allreduce_dtype, predivide_factor=predivide_factor,
+                  bucket_mb=bucket_mb, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter,
+                  grads_16bit=bool(half), grad_dtypes=tuple(half))
+    param = next(model.parameters(), None)
+    if device_ids is None and param is not None and param.device.type == "cuda":
+        device_ids = [param.device.index]
+    # torch 2.14 renamed broadcast_buffers to forward_sync_buffers.
+    sync_kw = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else "broadcast_buffers")
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        process_group=process_group,
+        bucket_cap_mb=bucket_mb,
+        find_unused_parameters=find_unused_parameters,
+        static_graph=static_graph,
+        # The gradients must stay views of FP16Optimizer's flat buffers, so DDP copies
+        # bucket results into them instead of re-pointing them at its buckets.
+        gradient_as_bucket_view=False,
+        **{sync_kw: broadcast_buffers},
+    )
+    state = HookState(process_group=process_group, allreduce_dtype=allreduce_dtype,
+                      predivide_factor=float(predivide_factor))
+    if strategy == "powersgd":
+        state.powersgd = _powersgd_memory(model, ddp, process_group, powersgd_rank, powersgd_start_iter,
+                                          rebuilds=static_graph or not find_unused_parameters)
+    ddp.register_comm_hook(state, HOOKS[strategy])
+    ddp.register_forward_pre_hook(lambda module, args: state.new_round())
+    if any(not p.requires_grad for p in model.parameters()):
+        ddp.register_forward_pre_hook(_FrozenWhenWrapped(model))
+    register(ddp, Handle("ddp", stats=state.stats, group=process_group, hook_state=state))
+    close_at_teardown(state)
+    return ddp
+
+
+class _FrozenWhenWrapped:
+    """A forward pre-hook that refuses, in one line, a parameter that requires grad now
+    but did not when DDP was built: DDP fixes the parameters it averages at
+    construction, so that parameter's gradient would stay each rank's own and the
+    replicas would silently diverge (unfreezing a layer under DDP, as fine-tuning does)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+
+    def __call__(self, module, args) -> None:
+        for name, p in self.frozen:
+            if p.requires_grad:
+                raise RuntimeError(f"parameter {name} was frozen when the model was wrapped in DDP and requires grad "
+                                   "now: DDP never averages its gradient, so the replicas would diverge; wrap the "
+                                   "model after unfreezing it (or wrap it with every layer trainable and "
+                                   "find_unused_parameters=True)")
+
+
+def _powersgd_memory(model: torch.nn.Module, ddp: DistributedDataParallel, process_group, rank: int,
+                     start_iter: int, rebuilds: bool) -> PowerSGDMemory:
+    """torch's PowerSGDState (error feedback and warm start on, a fixed seed), kept
+    per parameter by :class:`mpfp16.parallel.powersgd.PowerSGDMemory`. DDP's buckets
+    are final once it has rebuilt them (``_has_rebuilt_buckets``, as torch's ZeRO hook
+    reads it), or from the start when it never rebuilds (unused parameters, no static
+    graph)."""
+    torch_state = PowerSGDState(process_group, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter,
+                                use_error_feedback=True, warm_start=True, random_seed=RANDOM_SEED)
+    ddp_ref = weakref.ref(ddp)  # the hook state must not keep the DDP module alive (teardown)
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    return PowerSGDMemory(torch_state, params,
+                          lambda: not rebuilds or bool(getattr(ddp_ref(), "_has_rebuilt_buckets", False)))
+
+
+def _hook_state(model: torch.nn.Module) -> HookState | None:
+    handle = handle_of(model)
+    return handle.hook_state if handle is not None and handle.kind == "ddp" else None
+
+
+def comm_state_dict(model: torch.nn.Module) -> dict | None:
+    """This rank's communication-hook state that a checkpoint must keep for a resume
+    to continue bit-identically, as plain tensors (on CPU) and values: PowerSGD's
+    error feedback (which differs between ranks), Q memory, step count and random
+    state. None when the hook keeps no state (every other strategy) or ``model`` was
+    not made by :func:`wrap`. Call it between optimizer steps."""
+    state = _hook_state(model)
+    return state.powersgd.state_dict() if state is not None and state.powersgd is not None else None
+
+
+def load_comm_state_dict(model: torch.nn.Module, saved: dict) -> str | None:
+    """Give ``model`` (made by :func:`wrap`) this rank's :func:`comm_state_dict` back,
+    before its first step.
+
+    Returns:
+        None when the run continues bit-identically; otherwise why not, in a few words
+        (another PowerSGD rank; a checkpoint taken after PowerSGD started, by a process
+        whose DDP buckets were not yet final, so that their layout is unknown).
+
+    Raises:
+        ValueError: one line, when the state is of other parameters or malformed, or
+            the model's hook keeps no state.
+    """
+    state = _hook_state(model)
+    if state is None or state.powersgd is None:
+        raise ValueError("this model's communication hook keeps no state to load (only strategy 'powersgd' does)")
+    return state.powersgd.load_state_dict(saved)

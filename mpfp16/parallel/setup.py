@@ -1,0 +1,214 @@
+"""Start and end a process's part in the job: :func:`init` from torchrun's environment
+(or as a single process), the ``mpfp16`` logger's handlers, and :func:`teardown`.
+
+:data:`DEFAULT_TIMEOUT_S` is the one default of how long a collective may wait for a
+peer; the training configuration takes it from here.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .base import is_initialized
+
+__all__ = ["DistInfo", "init", "teardown", "close_at_teardown", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "BACKENDS"]
+
+logger = logging.getLogger("mpfp16")
+
+DEFAULT_TIMEOUT_S = 600.0
+MAX_TIMEOUT_S = 30 * 24 * 3600.0  # the process group holds its timeout as a timedelta of milliseconds
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: not distributed
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None,
+         log_level: int = logging.INFO, group_of_one: bool = False) -> DistInfo:
+    """Set up this process from torchrun's environment, or as a single process.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default: NCCL on CUDA, gloo on CPU.
+        timeout_s: how long a collective may wait for a peer before it fails, so that
+            a dead rank ends the run with an error instead of a hang.
+        device: ``"cpu"`` or ``"cuda"``; default: CUDA when available (GPU
+            ``LOCAL_RANK`` under torchrun).
+        log_level: level of the ``mpfp16`` logger on rank 0; other ranks log warnings
+            and errors only.
+        group_of_one: without torchrun, still make a process group, of this process
+            alone (an in-memory store, no network): :func:`mpfp16.distributed.shard`
+            needs one.
+
+    Returns:
+        A :class:`DistInfo`. Without torchrun (no ``WORLD_SIZE`` in the environment)
+        no process group is created and ``backend`` is None.
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown distributed backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"the distributed timeout must be positive and at most {MAX_TIMEOUT_S:.0f} s (30 days), "
+                         f"got {timeout_s}")
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but no CUDA GPU is available")
+
+    launched = "WORLD_SIZE" in os.environ
+    rank = _env_int("RANK") if launched else 0
+    world_size = _env_int("WORLD_SIZE") if launched else 1
+    local_rank = _env_int("LOCAL_RANK") if launched else 0
+    if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+                "use --nproc_per_node <= the number of GPUs"
+            )
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    _configure_logging(rank, log_level)
+    if not launched and not group_of_one:
+        return DistInfo(0, 1, 0, dev, None)
+
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("the NCCL backend needs CUDA GPUs; use gloo on CPU")
+    kwargs = {"device_id": dev} if use_cuda else {}
+    timeout = timedelta(seconds=timeout_s)
+    store = _attempt_store(rank, world_size, timeout) if launched else dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    logger.info("distributed: %d process%s, backend %s, device %s, timeout %gs", world_size,
+                "" if world_size == 1 else "es", backend, dev.type, timeout_s)
+    return DistInfo(rank, world_size, local_rank, dev, backend)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store of ``env://``, with keys private to this restart attempt.
+
+    When torchrun restarts a failed group (``--max-restarts``), the new workers talk
+    through the same store as the old ones. gloo then found the old workers'
+    addresses there and failed to connect ("Connection refused"), so the restart
+    never trained. A prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps each attempt's
+    keys apart.
+    """
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise RuntimeError(f"{name} is not set: launch with torchrun")
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world_size,
+                          is_master=rank == 0 and not agent_hosts, timeout=timeout, multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"mpfp16/attempt-{attempt}/", store)
+
+
+class _BelowWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
+
+
+def _configure_logging(rank: int, level: int) -> None:
+    """Handlers on the ``mpfp16`` logger: progress to stdout, warnings and errors to
+    stderr. Rank 0 logs at ``level``, other ranks at WARNING; each line of a rank
+    other than 0 is tagged with it."""
+    log = logging.getLogger("mpfp16")
+    for handler in list(log.handlers):
+        if getattr(handler, "_mpfp16", False):
+            log.removeHandler(handler)
+    tag = f"[rank {rank}] " if rank else ""
+    for stream, fmt, only_below_warning in ((sys.stdout, f"{tag}%(message)s", True),
+                                            (sys.stderr, f"{tag}%(levelname)s: %(message)s", False)):
+        handler = logging.StreamHandler(stream)
+        handler._mpfp16 = True
+        if only_below_warning:
+            handler.addFilter(_BelowWarning())
+        else:
+            handler.setLevel(logging.WARNING)
+        handler.setFormatter(logging.Formatter(fmt))
+        log.addHandler(handler)
+    log.setLevel(level if rank == 0 else logging.WARNING)
+    log.propagate = False
+
+
+# The communication-hook states (mpfp16.parallel.hooks.HookState) of the DDP modules
+# wrap() made, alive or not, until teardown() closes them.
+_HOOK_STATES: list = []
+
+
+def close_at_teardown(hook_state) -> None:
+    """Have :func:`teardown` close ``hook_state`` (a
+    :class:`mpfp16.parallel.hooks.HookState`): its communication thread, and
+    PowerSGD's last future, which holds the process group."""
+    _HOOK_STATES.append(hook_state)
+
+
+def teardown() -> None:
+    """Destroy the process group (if any) and stop the communication threads.
+
+    A DDP module that is already unreachable still holds the process group, and
+    DDP's internal reference cycles keep it until the garbage collector runs; if that
+    is the interpreter's final collection, gloo's worker threads free the tensors of
+    their last collectives after Python is gone, and the process aborts ("terminate
+    called without an active exception", seen here in about one exit in ten). So the
+    collection runs now. Drop your references to the DDP module before calling this.
+
+    torch's PowerSGD hook has a second way to abort: its future callbacks hold the
+    process group, and a gloo thread frees a callback after it ran, once it gets the
+    GIL, which can be after the step's result was handed back and after this function
+    destroyed the group. That last reference then destroys the group on the gloo
+    thread, whose destructor joins the gloo threads, itself included ("Resource
+    deadlock avoided", about one exit in ten here). So after a PowerSGD run, the group
+    is released here, on this thread, once the gloo threads have let go of it.
+    """
+    group = dist.group.WORLD if is_initialized() and any(s.powersgd for s in _HOOK_STATES) else None
+    for state in _HOOK_STATES:
+        state.close()
+    _HOOK_STATES.clear()
+    if is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    _release_last(group)
+
+
+def _release_last(group, timeout_s: float = 1.0) -> None:
+    """Return when ``group`` is referenced only by the caller (and this frame), waiting
+    with the GIL released so that a gloo thread can free its references; the caller's
+    reference then destroys it on the caller's thread. Gives up after ``timeout_s``
+    (the DDP module still alive, say)."""
+    deadline = time.monotonic() + timeout_s
+    while group is not None and sys.getrefcount(group) > 3 and time.monotonic() < deadline:
+        time.sleep(0.001)

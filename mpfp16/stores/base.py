@@ -1,0 +1,191 @@
+"""The interface every parameter store implements, and the arithmetic they share.
+
+A store is where the parameters an :class:`mpfp16.FP16Optimizer` steps live, with
+their gradients and fp32 masters. The optimizer runs the step's phases in its fixed
+order and asks the store for each one that depends on the layout:
+
+``check_ready()``
+    phase 1, the store's part: raise if a parameter left its storage; re-read the
+    master of a weight written from outside; reattach replaced gradients.
+``unscale(scale, materialize, with_norm) -> found_inf``
+    phase 2: fp32 gradients = 16-bit gradients / scale, and a float tensor whose
+    first element is 1.0 when a gradient holds inf or NaN. ``materialize`` asks for
+    the unscaled fp32 gradients in the masters' ``.grad`` (``unscale_()`` does).
+``grad_norm() -> Tensor``
+    phase 4: the global 2-norm of the unscaled gradients of the parameters stepped
+    this step, reduced over ``group``.
+``update(clip_coef)`` and ``copy_back()``
+    phases 5 and 6: the inner optimizer's arithmetic on the fp32 values, then the
+    new 16-bit weights.
+``zero_grad(set_to_none)``, ``skip()``, ``copy_masters_to_model()``,
+``memory()``, ``state()`` / ``check_state()`` / ``load_state()``
+    the rest of the optimizer's surface that depends on where the tensors are.
+
+Every parameter the inner optimizer holds belongs to the store, frozen or not. A
+parameter is stepped in a step when it requires grad at that step, as torch's
+optimizers step a parameter whose ``.grad`` is set: a layer unfrozen after the
+optimizer was built is stepped through its master from then on, and a layer frozen
+mid-run stops moving (its momentum is not applied).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+__all__ = ["ParamStore", "inv_scale_tensor", "unscale_and_check", "total_norm", "storage_bytes"]
+
+
+def inv_scale_tensor(scale: float, device: torch.device) -> torch.Tensor:
+    """1/scale as GradScaler computes it: the reciprocal in double, rounded to fp32;
+    ``torch.full`` fills on the device, where ``torch.tensor`` would copy and wait."""
+    return torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
+
+
+def unscale_and_check(grads: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """``grads /= scale`` in place, and whether any value is inf/NaN, in one pass per
+    tensor (GradScaler's own kernel). Returns [flag] as an fp32 tensor on the first
+    tensor's device (1.0: found)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_device[g.device].append(g)
+    found = []
+    for device, tensors in by_device.items():
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale_tensor(scale, device).view(1))
+        found.append(found_inf)
+    if not found:
+        return torch.zeros(1, dtype=torch.float32)
+    first = found[0]
+    for other in found[1:]:
+        first += other.to(first.device)
+    return first
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` as ``clip_grad_norm_`` computes it (per-tensor norms,
+    then their norm), so that clipping matches it bit for bit."""
+    return torch.nn.utils.get_total_norm(grads, 2.0)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+class ParamStore:
+    """The interface (module docstring). Subclasses set the attributes below.
+
+    Attributes:
+        kind: ``"flat"``, ``"per-tensor"`` or ``"sharded"``.
+        params: every parameter the inner optimizer holds, in its order.
+        stepped: what the inner optimizer steps in their place (a master, or the
+            parameter itself), in the same order.
+        group: the process group over which the overflow flag and the norm are
+            reduced (None: the optimizer's ``process_group``).
+        has_fp16: whether any computation is in fp16 (``loss_scale="dynamic"``
+            scales only then).
+        device: where the optimizer's small tensors (its rounding generator) live.
+    """
+
+    kind = "abstract"
+    group = None
+    hooks_gradients = True  # autograd's hooks on ``params`` see their gradients arrive
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.stepped: list[torch.Tensor] = []
+        self.has_fp16 = False
+        self.device = torch.device("cpu")
+
+    # ---------------------------------------------------------------- what it refuses
+
+    @classmethod
+    def refusal(cls, *, process_group, model) -> str | None:
+        """Why an optimizer cannot be built over this kind of store with this model and
+        group, in one line, or None (mpfp16.optimizer.check_options says what the
+        options alone refuse)."""
+        return None
+
+    def fused_unsupported(self) -> str | None:
+        """Why mpfp16's fused step cannot run over this store, or None."""
+        return "this store has no fused step"
+
+    @property
+    def fused(self) -> bool:
+        return False
+
+    def explain(self) -> str:
+        """One line for the log: which store, and why."""
+        return self.kind
+
+    # ---------------------------------------------------------------- the phases
+
+    def trainable(self) -> list[bool]:
+        """Per parameter, whether it is stepped now (it requires grad)."""
+        return [p.requires_grad for p in self.params]
+
+    def check_ready(self) -> None:
+        raise NotImplementedError
+
+    def gradients_present(self) -> bool | None:
+        """Whether a gradient reached the parameters, when the store can tell by
+        looking (None: the optimizer's backward hooks tell)."""
+        return None
+
+    def no_gradient_message(self) -> str:
+        return ("step() was called but no backward pass reached the parameters since the last step(): call "
+                "opt.backward(loss) first")
+
+    def prepare(self, fp32_grads: bool) -> None:
+        """Make ready what the step needs before it writes anything (compile)."""
+
+    def use_unfused(self) -> None:
+        """After a failed compile: take the unfused step from now on."""
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        raise NotImplementedError
+
+    def unscale(self, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad_norm(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def update(self, clip_coef: torch.Tensor | None, rng: torch.Generator) -> None:
+        raise NotImplementedError
+
+    def copy_back(self) -> None:
+        raise NotImplementedError
+
+    def skip(self) -> None:
+        """After a skipped step (the gradients were zeroed): free what a step holds."""
+
+    def copy_masters_to_model(self) -> None:
+        """Round the fp32 masters into the 16-bit model now."""
+
+    def invalidate(self) -> None:
+        """The inner optimizer's state was replaced (``load_state_dict``)."""
+
+    # ---------------------------------------------------------------- memory and state
+
+    def memory(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def state(self) -> dict:
+        """The masters' part of the optimizer's state_dict."""
+        raise NotImplementedError
+
+    def check_state(self, state_dict: dict) -> None:
+        """Raise ValueError (one line) where the masters' part of ``state_dict`` does
+        not fit this store."""
+
+    def load_state(self, state_dict: dict) -> None:
+        raise NotImplementedError

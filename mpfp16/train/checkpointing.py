@@ -1,0 +1,203 @@
+"""A training run's checkpoints: what goes into one, where it goes, and how a run
+resumes from one, exactly.
+
+The format (a file, or a DCP folder for a sharded model) is chosen once, from the
+model (:func:`mpfp16.checkpoint.format_for`); nothing here branches on it. A run reads
+a checkpoint of either format (:func:`mpfp16.checkpoint.read` converts it to its own
+layout), so ``--shard`` may change on resume. The decisions (which checkpoint
+``--resume auto`` takes, whether changed settings are refused) are
+:mod:`mpfp16.train.resume`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .. import checkpoint
+from .. import distributed as mdist
+from ..errors import CheckpointError, UserError, one_line
+from . import resume as decide
+from . import rundir
+
+__all__ = ["RunCheckpoints"]
+
+logger = logging.getLogger("mpfp16")
+
+
+class RunCheckpoints:
+    """``DIR/last`` and ``DIR/best`` of a run, in the format of its model.
+
+    The methods that take a ``trainer`` (a :class:`mpfp16.train.engine.Trainer`) read
+    or set its model, optimizer, scheduler, position (``step``, ``epoch``,
+    ``batches_done``), best accuracy and elapsed time. Every rank calls every method.
+    """
+
+    def __init__(self, cfg, model) -> None:
+        self.cfg = cfg
+        self.format = checkpoint.format_for(model)
+        self.last_path = os.path.join(cfg.checkpoint_dir, "last" + self.format.suffix)
+        self.best_path = os.path.join(cfg.checkpoint_dir, "best" + self.format.suffix)
+        self.saved_at: int | None = None  # the step of the last save
+        # The other formats' checkpoints in DIR that this run's saves replace (once each).
+        self._superseded = {kind: [os.path.join(cfg.checkpoint_dir, kind + fmt.suffix)
+                                   for fmt in checkpoint.FORMATS if fmt is not self.format]
+                            for kind in ("last", "best")}
+
+    # ------------------------------------------------------------------ saving
+
+    def state(self, trainer) -> dict:
+        """Everything a resume needs to continue bit-identically (RNG states are
+        gathered from every rank: a collective)."""
+        rng = mdist.all_gather_object(checkpoint.rng_state())
+        comm = mdist.comm_state_dict(trainer.ddp) if trainer.ddp is not trainer.model else None
+        return {
+            "model": trainer.model.state_dict(),
+            "optimizer": trainer.opt.state_dict(),
+            "scheduler": trainer.sched.state_dict(),
+            "step": trainer.step,
+            "epoch": trainer.epoch,
+            "batches_done": trainer.batches_done,
+            "best_acc1": trainer.best_acc1,
+            "best_epoch": trainer.best_epoch,
+            "rng": rng,
+            "elapsed": trainer.elapsed(),
+            "config": self.cfg.as_dict(),
+            "run": trainer.run_facts(),
+            # Every rank's communication-hook state (PowerSGD's error feedback differs between them).
+            **({"comm": mdist.gather_object(comm)} if comm is not None else {}),
+        }
+
+    def save(self, trainer, best: bool = False) -> None:
+        """Write DIR/last (and DIR/best), after checking that the ranks hold the same
+        state; then the same run's checkpoints of the other format, now superseded, go
+        (a run resumed with or without ``--shard``), so that the folder never holds two
+        "last" checkpoints that disagree."""
+        trainer.check_replicas()  # never save a state the ranks do not share
+        self.format.save(self.last_path, self.state(trainer), tag=f"step{trainer.step}")
+        if best:
+            self.format.keep_as_best(self.last_path, self.best_path)
+        for kind in ("last", "best") if best else ("last",):
+            for path in self._superseded[kind]:
+                checkpoint.remove(path)
+            self._superseded[kind] = []
+        self.saved_at = trainer.step
+
+    def best_checkpoint(self) -> str:
+        """DIR/best of this run's format, or, until this run wrote one, the other
+        format's that it resumed with."""
+        return next((p for p in self._superseded["best"] if os.path.lexists(p)), self.best_path)
+
+    # ------------------------------------------------------------------ resuming
+
+    def find(self) -> str | None:
+        """The checkpoint to resume from: ``--resume PATH``, or for ``auto`` the newest
+        "last" in DIR of either format, as rank 0 finds them (its file system decides;
+        every rank then checks it reads the same one)."""
+        cfg = self.cfg
+        if cfg.resume != "auto":
+            return cfg.resume
+        path, error = None, None
+        if mdist.is_main_process():
+            lasts = rundir.last_paths(cfg.checkpoint_dir)
+            try:
+                steps = {p: checkpoint.saved_step(p) if len(lasts) > 1 else None for p in lasts}
+                path = decide.pick_last(steps, own=self.last_path)
+            except CheckpointError as exc:
+                error = f"--resume auto cannot tell which of {' and '.join(lasts)} is newer: {exc}"
+        path, error = mdist.broadcast_object((path, error))
+        if error is not None:
+            raise CheckpointError(error)
+        logger.info("resume auto: %s", f"resuming from {path}" if path else f"no {self.last_path}, starting fresh")
+        return path
+
+    def resume(self, trainer) -> None:
+        """Load ``--resume`` into ``trainer``: the model, the optimizer and the position,
+        whatever format and layout wrote it. Settings that changed are refused unless
+        ``--allow-changed-config``; then the ranks check they hold the same state."""
+        cfg = self.cfg
+        path = self.find()
+        if path is None:
+            if cfg.evaluate:
+                raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
+            return
+        changes: list = []
+
+        def judge(saved: dict) -> None:  # before the checkpoint is converted to this run's layout
+            if cfg.evaluate:
+                return
+            changes.extend(decide.changed_settings(cfg, saved.get("config"), saved.get("run"), trainer.run_facts(),
+                                                   saved_processes=len(saved.get("rng", ()))))
+            warning = decide.judge_changes(changes, cfg.allow_changed_config, path)
+            if warning:
+                logger.warning("%s", warning)
+
+        ckpt = checkpoint.read(path, trainer.model, trainer.opt, check=judge)
+        self._load(trainer, path, ckpt, changes)
+        mdist.check_replicas(trainer.model, trainer.opt, context=f" after resuming from {path}")
+        logger.info("resumed from %s: epoch %d, step %d", path, trainer.epoch, trainer.step)
+
+    def _load(self, trainer, path: str, ckpt: dict, changes: list) -> None:
+        cfg = self.cfg
+        saved_cfg = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+        try:
+            trainer.model.load_state_dict(ckpt["model"])
+        except (RuntimeError, KeyError, TypeError, AttributeError):
+            saved = ckpt.get("model")
+            why = (checkpoint.describe_mismatch(trainer.model.state_dict(), saved) if isinstance(saved, dict)
+                   else "no model")
+            raise CheckpointError(f"checkpoint {path} (arch {saved_cfg.get('arch', '?')}) does not fit this model "
+                                  f"(arch {cfg.arch}): {why}") from None
+        fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.opt.param_groups]
+        try:
+            trainer.opt.load_state_dict(ckpt["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as exc:
+            if saved_cfg.get("precision", cfg.precision) != cfg.precision:
+                raise CheckpointError(f"checkpoint {path} holds a --precision {saved_cfg['precision']} run and this "
+                                      f"one is {cfg.precision}: their optimizer states (loss scaling, masters) "
+                                      f"differ; resume with --precision {saved_cfg['precision']}") from None
+            raise CheckpointError(f"checkpoint {path}: optimizer state does not fit: {exc}") from None
+        trainer.sched.load_state_dict(ckpt["scheduler"])
+        trainer.step, trainer.epoch = int(ckpt["step"]), int(ckpt["epoch"])
+        trainer.batches_done = int(ckpt["batches_done"])
+        trainer.best_acc1, trainer.best_epoch = float(ckpt["best_acc1"]), ckpt["best_epoch"]
+        trainer.elapsed_before = float(ckpt.get("elapsed", 0.0))
+        rngs = ckpt["rng"]
+        if len(rngs) == trainer.info.world_size:
+            checkpoint.set_rng_state(rngs[trainer.info.rank])
+        if not cfg.evaluate:
+            self._load_comm_state(trainer, path, ckpt.get("comm"), bool(changes))
+        if changes:
+            self._apply_changed_settings(trainer, saved_cfg, fresh_groups)
+
+    def _load_comm_state(self, trainer, path: str, saved, changed: bool) -> None:
+        """Give the communication hook its state back (:func:`mpfp16.train.resume.comm_state`)."""
+        cfg, ddp = self.cfg, trainer.ddp
+        has_state = ddp is not trainer.model and mdist.comm_state_dict(ddp) is not None
+        action, warning = decide.comm_state(hook_has_state=has_state, saved=saved, world_size=trainer.info.world_size,
+                                            changed=changed, strategy=cfg.allreduce_strategy, path=path)
+        if warning:
+            logger.warning("%s", warning)
+        if action != "load":
+            return
+        try:
+            inexact = mdist.load_comm_state_dict(ddp, saved[trainer.info.rank])
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {path}: {one_line(exc)}") from None
+        warning = decide.judge_inexact_comm_state(inexact, cfg.allow_changed_config, path)
+        if warning:
+            logger.warning("%s", warning)
+
+    def _apply_changed_settings(self, trainer, saved_cfg: dict, fresh_groups: list[dict]) -> None:
+        """With --allow-changed-config: the new optimizer settings and lr replace the
+        saved ones, and the position in the epoch is kept in samples, not batches."""
+        opt, sched = trainer.opt, trainer.sched
+        for group, fresh in zip(opt.param_groups, fresh_groups):
+            group.update({k: v for k, v in fresh.items() if k != "lr"})
+        sched.base_lrs = [g["initial_lr"] for g in fresh_groups]
+        for i, group in enumerate(opt.param_groups):
+            group["lr"] = sched.base_lrs[i] * sched.lr_lambdas[i](sched.last_epoch)
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+        trainer.batches_done = decide.batches_done_after_change(
+            trainer.batches_done, saved_cfg.get("batch_size", self.cfg.batch_size), self.cfg.batch_size,
+            self.cfg.accum_steps)
