@@ -6,7 +6,7 @@
 """
 
 from . import distributed
-from .convert import cast_floating, model_dtype, to_half
+from .convert import cast_floating, model_dtype, to_float, to_half
 from .flat import flatten_parameters
 from .optimizer import FP16Optimizer
 from .errors import ReplicaDivergenceError
@@ -14,6 +14,7 @@ from .scaler import DynamicLossScaler, LossScaler, LossScaleStuckError
 
 __all__ = [
     "to_half",
+    "to_float",
     "flatten_parameters",
     "model_dtype",
     "cast_floating",

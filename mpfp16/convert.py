@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from . import flat
 
-__all__ = ["NORM_TYPES", "HALF_DTYPES", "to_half", "model_dtype", "cast_floating", "CastInputs", "outputs_to_fp32",
+__all__ = ["NORM_TYPES", "HALF_DTYPES", "to_half", "to_float", "model_dtype", "cast_floating", "CastInputs", "outputs_to_fp32",
            "keeps_fp32"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -51,14 +51,17 @@ def cast_floating(obj, dtype: torch.dtype):
 
 
 class CastInputs:
-    """A forward pre-hook that casts a module's floating-point inputs to ``dtype``.
-    A class at module level, not a closure, so that a converted model pickles."""
+    """A forward pre-hook that casts a module's floating-point inputs to ``dtype``, or,
+    when ``dtype`` is None, to whatever dtype the module computes in now
+    (:func:`model_dtype`): after ``model.float()`` a converted model takes fp32 inputs
+    again. A class at module level, not a closure, so that a converted model pickles."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype
 
     def __call__(self, module, args, kwargs):
-        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+        dtype = self.dtype if self.dtype is not None else model_dtype(module)
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
 
 def outputs_to_fp32(module, args, output):
@@ -83,9 +86,11 @@ def to_half(model: nn.Module, dtype: torch.dtype = torch.float16, cast_io: bool 
         model: the model; converted in place (the Parameter objects stay the same, so an
             optimizer built over them earlier still holds them).
         dtype: ``torch.float16`` or ``torch.bfloat16``.
-        cast_io: install hooks on ``model`` that cast floating-point inputs to ``dtype``
-            and floating-point outputs to fp32, so that ``loss_fn(model(x_fp32), y)``
-            computes the loss in fp32. Calling ``to_half`` again does not add them twice.
+        cast_io: install hooks on ``model`` that cast floating-point inputs to the
+            model's 16-bit dtype (whatever it is at each forward: ``model.float()``
+            later makes them fp32) and floating-point outputs to fp32, so that
+            ``loss_fn(model(x_fp32), y)`` computes the loss in fp32. Calling
+            ``to_half`` again does not add them twice; :func:`to_float` removes them.
 
     Returns:
         ``model``.
@@ -106,14 +111,28 @@ def to_half(model: nn.Module, dtype: torch.dtype = torch.float16, cast_io: bool 
         module._apply(cast_to(_target_dtype(module, dtype)), recurse=False)
     flat.flatten_parameters(model)
 
-    if cast_io:
-        casts = [hook for hook in model._forward_pre_hooks.values() if isinstance(hook, CastInputs)]
-        if casts:  # converted before: the same hooks, now casting to this dtype
-            for hook in casts:
-                hook.dtype = dtype
-        else:
-            model.register_forward_pre_hook(CastInputs(dtype), with_kwargs=True)
-            model.register_forward_hook(outputs_to_fp32)
+    if cast_io and not any(isinstance(hook, CastInputs) for hook in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(CastInputs(), with_kwargs=True)  # follows the model's dtype
+        model.register_forward_hook(outputs_to_fp32)
+    return model
+
+
+def to_float(model: nn.Module) -> nn.Module:
+    """Undo :func:`to_half`: every floating-point parameter and buffer back to fp32, the
+    cast hooks removed, and the parameters in flat buffers (as
+    :func:`mpfp16.flatten_parameters` places them). Like ``to_half``, it refuses a model
+    whose 16-bit parameters DDP already holds. Returns ``model``."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError("to_float got a DistributedDataParallel module: convert the model, then wrap it")
+    flat.check_movable([p for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32])
+    model.float()
+    for hooks, extra in ((model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs),
+                         (model._forward_hooks, model._forward_hooks_with_kwargs)):
+        for key, hook in list(hooks.items()):
+            if isinstance(hook, CastInputs) or hook is outputs_to_fp32:
+                del hooks[key]
+                extra.pop(key, None)
+    flat.flatten_parameters(model)
     return model
 
 

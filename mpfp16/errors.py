@@ -8,12 +8,18 @@ import re
 def one_line(exc: BaseException) -> str:
     """An exception's message as one line: its first non-empty line (an OSError's
     reason alone), or the name of its type when it has no message. Errors re-raised from a DataLoader worker carry
-    the worker's traceback; their last line is the message."""
+    the worker's traceback; their last line is the message. A :class:`UserError`'s
+    message is whole, its line breaks written ``\\n``: they can only come from a name in
+    it, such as a path."""
     if isinstance(exc, OSError) and exc.strerror:  # "No such file or directory", not "[Errno 2] ..."
         return exc.strerror
     text = str(exc).strip()
     if "Original Traceback" in text:
         text = re.sub(r"^[\w.]+(Error|Exception): ", "", text.splitlines()[-1])
+    elif isinstance(exc, UserError):
+        # mpfp16's own messages are one line; a line break in one comes from what it
+        # names (a path with a newline in it), which must not be cut at it.
+        return text.replace("\r", "\\r").replace("\n", "\\n") or type(exc).__name__
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
 

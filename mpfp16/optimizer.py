@@ -650,6 +650,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         return {
             "format": STATE_FORMAT,
             "store": self.store.kind,
+            "inner_optimizer": type(self.optimizer).__name__,
             "optimizer": self.optimizer.state_dict(),
             "master_weights": self.master_weights,
             "param_names": self.param_names(),
@@ -671,6 +672,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         if saved_store != store and not (saved_store in _LOCAL_STORES and store in _LOCAL_STORES):
             raise ValueError(f"the state_dict was saved by a {saved_store} store and this optimizer's is {store}: "
                              "load it through mpfp16.checkpoint, which converts a checkpoint between the two")
+        self._check_inner_state(state_dict)
         shapes = [list(s) for s in state_dict["param_shapes"]]
         if len(shapes) != len(self._shapes):
             raise ValueError(
@@ -708,6 +710,28 @@ class FP16Optimizer(torch.optim.Optimizer):
                 f"the state_dict holds a {saved_scaler} state but this optimizer uses a "
                 f"{type(self.scaler).__name__}: use the same loss_scale setting"
             )
+
+    def _check_inner_state(self, state_dict: dict) -> None:
+        """Raise one line where the inner optimizer's state was saved by another kind of
+        optimizer: torch's own load_state_dict takes an Adam state into an SGD, and the
+        next step fails on a hyperparameter the saved groups lack."""
+        mine = type(self.optimizer).__name__
+        saved = state_dict.get("inner_optimizer")
+        if saved is not None and saved != mine:
+            raise ValueError(f"the state_dict holds the state of a {saved} optimizer and this FP16Optimizer wraps "
+                             f"a {mine}: build it over the same kind of optimizer")
+        inner = state_dict.get("optimizer")
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise ValueError("the state_dict's inner optimizer state has no list of param groups")
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"the state_dict's inner optimizer has {len(groups)} param groups and this one has "
+                             f"{len(self.optimizer.param_groups)}")
+        for i, (theirs, ours) in enumerate(zip(groups, self.optimizer.param_groups)):
+            missing = sorted(k for k in ours if k != "params" and k not in theirs)
+            if missing:
+                raise ValueError(f"the state_dict's param group {i} has no {', '.join(missing)}: it was saved by "
+                                 f"another kind of optimizer than this {mine}")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what :meth:`state_dict` returned (this version's, or an earlier one's).

@@ -17,11 +17,31 @@ from __future__ import annotations
 import math
 import struct
 
-__all__ = ["LossScaler", "DynamicLossScaler", "LossScaleStuckError"]
+__all__ = ["LossScaler", "DynamicLossScaler", "LossScaleStuckError", "check_loss_scale"]
 
 # The smallest normal fp32 value: the floor used to decide that a scale with no
 # configured minimum can fall no further in any useful way.
 _FP32_TINY = 2.0**-126
+
+
+_FP32_MAX = 3.4028234663852886e38
+
+
+def check_loss_scale(value, name: str = "loss_scale", say=None) -> float:
+    """``value`` as the fp32 scale it becomes, or a one-line ValueError: a loss scale
+    must round to a normal, finite fp32 number (2^-126 to 3.4e38). Outside that range
+    it becomes 0, a subnormal (whose reciprocal is inf) or inf, and every step would
+    be skipped or unscaled to inf. ``say(name, value)`` words the option as the
+    caller spells it (default ``name=value``)."""
+    words = say(name, value) if say is not None else f"{name}={value!r}"
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{words}: a loss scale must be a number") from None
+    if not (math.isfinite(scale) and _FP32_TINY <= scale <= _FP32_MAX):
+        raise ValueError(f"{words}: a loss scale must be a positive normal fp32 number, from {_FP32_TINY:.4g} to "
+                         f"{_FP32_MAX:.4g}")
+    return _f32(scale)
 
 
 def _f32(x: float) -> float:
@@ -51,12 +71,9 @@ class LossScaler:
     dynamic = False
 
     def __init__(self, scale: float = 1.0, *, stuck_after: int = 4) -> None:
-        scale = float(scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"a loss scale must be a positive finite number, got {scale}")
+        self._scale = check_loss_scale(scale, "scale")
         if int(stuck_after) < 1:
             raise ValueError(f"stuck_after must be at least 1, got {stuck_after}")
-        self._scale = _f32(scale)
         self.stuck_after = int(stuck_after)
         self.overflows_at_floor = 0  # consecutive overflowing steps taken at the floor
 
@@ -169,8 +186,10 @@ class DynamicLossScaler(LossScaler):
             raise ValueError(f"growth_interval must be at least 1, got {growth_interval}")
         if int(hysteresis) < 1:
             raise ValueError(f"hysteresis must be at least 1, got {hysteresis}")
-        if min_scale is not None and not min_scale > 0:
-            raise ValueError(f"min_scale must be positive or None, got {min_scale}")
+        if min_scale is not None:
+            check_loss_scale(min_scale, "min_scale")
+        if max_scale is not None:
+            check_loss_scale(max_scale, "max_scale")
         if min_scale is not None and max_scale is not None and max_scale < min_scale:
             raise ValueError(f"max_scale ({max_scale}) is below min_scale ({min_scale})")
         # The factors stay doubles: GradScaler's kernel multiplies its fp32 scale by a

@@ -435,3 +435,27 @@ def apex_distributed_example(rank, steps):
                       "store": optimizer._opt.store.kind, "averaged": averaged, "local": local}
     mdist.teardown()
     return out
+
+
+def fp32_accumulate_with_unused_search(rank, steps):
+    """strategy="fp32_accumulate" under DDP with and without find_unused_parameters:
+    DDP's own collective for the used-parameter map runs while the hook's exchanges do
+    (on its worker thread); the final weights of both runs."""
+    mdist.init(timeout_s=60)
+    out = {}
+    for find_unused in (False, True):
+        torch.manual_seed(0)
+        model = mpfp16.to_half(nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(),
+                                             nn.Linear(256, 4)))
+        ddp = mdist.wrap(model, strategy="fp32_accumulate", find_unused_parameters=find_unused, bucket_mb=0.2)
+        opt = mpfp16.FP16Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.01), loss_scale=64.0)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            x, y = torch.randn(8, 64, generator=g), torch.randint(0, 4, (8,), generator=g)
+            opt.zero_grad()
+            opt.backward(nn.functional.cross_entropy(ddp(x), y))
+            assert opt.step()
+        mdist.check_replicas(ddp, opt)
+        out[find_unused] = flat_params(model)
+    mdist.teardown()
+    return out

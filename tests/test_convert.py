@@ -1,5 +1,7 @@
 """to_half: which layers become 16-bit, and the input/output casts."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -82,3 +84,37 @@ def test_cast_floating_leaves_integers_alone():
 def test_other_dtypes_are_refused():
     with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
         mpfp16.to_half(nn.Linear(2, 2), torch.float64)
+
+
+def test_a_converted_model_goes_back_to_fp32():
+    """``model.float()`` after to_half: the input cast follows the model's dtype, so the
+    forward takes fp32 again (it raised "mat1 and mat2 must have the same dtype");
+    ``mpfp16.to_float`` also removes the cast hooks and places the fp32 parameters."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    for back in ("float", "to_float"):
+        model = mpfp16.to_half(copy.deepcopy(reference))
+        twin = copy.deepcopy(reference)
+        twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})  # the rounded weights, in fp32
+        if back == "float":
+            model.float()
+        else:
+            mpfp16.to_float(model)
+            assert not model._forward_pre_hooks and not model._forward_hooks
+            # in flat buffers: the norm layer's, adopted as it was, and one for the weights now fp32
+            assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 2
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        out = model(x)
+        assert out.dtype == torch.float32 and torch.equal(out, twin(x))
+        opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=None)
+        opt.backward(out.sum())
+        assert opt.step()
+
+
+def test_to_float_refuses_parameters_that_ddp_holds():
+    model = mpfp16.to_half(nn.Linear(8, 4))
+    held = [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]  # as DDP's reducer keeps them
+    with pytest.raises(RuntimeError, match="would have to move into a flat buffer after DistributedDataParallel"):
+        mpfp16.to_float(model)
+    del held

@@ -596,3 +596,23 @@ def test_a_kahan_buffer_of_another_size_is_refused():
                                master_weights=False, rounding="kahan")
     with pytest.raises(ValueError, match=r"^Kahan compensation buffer 0 has \d+ elements in the state_dict and "):
         opt.load_state_dict(state)
+
+
+@pytest.mark.parametrize("saved_kind,here_kind", [("adamw", "sgd"), ("sgd", "adam"), ("adam", "adamw")])
+def test_the_state_of_another_kind_of_inner_optimizer_is_refused(saved_kind, here_kind):
+    """torch's load_state_dict takes an Adam state into an SGD, and the next step failed
+    with KeyError: 'momentum'."""
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(make_inner(saved_kind, model.parameters()), loss_scale=64.0)
+    train_mpfp16(model, opt, batches(2))
+    state = opt.state_dict()
+    other = mpfp16.to_half(tiny_mlp(0))
+    here = mpfp16.FP16Optimizer(make_inner(here_kind, other.parameters()), loss_scale=64.0)
+    with pytest.raises(ValueError, match=r"^the state_dict holds the state of a (Adam|AdamW|SGD) optimizer and this "
+                                         r"FP16Optimizer wraps a (SGD|Adam|AdamW)"):
+        here.load_state_dict(state)
+    del state["inner_optimizer"]  # written before the name was saved: the groups tell
+    if {saved_kind, here_kind} != {"adam", "adamw"}:
+        with pytest.raises(ValueError, match=r"^the state_dict's param group 0 has no .*: it was saved by another"):
+            here.load_state_dict(state)
+    assert not here.state and here.iteration == 0

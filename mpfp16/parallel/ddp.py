@@ -8,11 +8,12 @@ import inspect
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import library_words
-from .base import is_initialized
+from .base import group_ranks, is_initialized
 from .handles import Handle, handle_of, register
 from .hooks import HOOKS, STRATEGIES, TORCH_STRATEGIES, HookState
 from .powersgd import RANDOM_SEED, PowerSGDMemory
@@ -148,6 +149,8 @@ def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, pre
     )
     state = HookState(process_group=process_group, allreduce_dtype=allreduce_dtype,
                       predivide_factor=float(predivide_factor))
+    if strategy == "fp32_accumulate" and dist.get_world_size(process_group) > 1:  # a collective: every rank wraps
+        state.exchange_group = dist.new_group(group_ranks(process_group))
     if strategy == "powersgd":
         state.powersgd = _powersgd_memory(model, ddp, process_group, powersgd_rank, powersgd_start_iter,
                                           rebuilds=static_graph or not find_unused_parameters)

@@ -154,12 +154,21 @@ class HookState:
     stats: CommStats = field(default_factory=CommStats)
     powersgd: PowerSGDMemory | None = None  # strategy "powersgd" only
     compile_reduce: bool = True  # fp32_accumulate's reduction compiled; False once compiling failed
+    # fp32_accumulate's own group, of the same ranks: its exchanges run on a worker
+    # thread while DDP issues collectives of its own on ``process_group`` (the used-
+    # parameter map of find_unused_parameters), and gloo requires one order per group.
+    exchange_group: dist.ProcessGroup | None = None
     _worker: _Worker | None = None
     _scratch: torch.Tensor | None = None
 
     @property
     def group(self) -> dist.ProcessGroup:
         return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    @property
+    def own_group(self) -> dist.ProcessGroup:
+        """Where fp32_accumulate's traffic goes: its own group when it has one."""
+        return self.exchange_group if self.exchange_group is not None else self.group
 
     def scratch(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A reusable receive buffer (only the communication thread uses it)."""
@@ -270,10 +279,10 @@ def average_fp32_accumulate(state: HookState, buf: torch.Tensor) -> torch.dtype:
     allreduce of the upcast values beats two rounds of point-to-point exchanges
     (docs/BANDWIDTH.md), and gives the same fp32 sum.
     """
-    world = dist.get_world_size(state.group)
+    world = dist.get_world_size(state.own_group)
     if buf.numel() < state.small_numel:
         wide = buf.float()
-        dist.all_reduce(wide, group=state.group)
+        dist.all_reduce(wide, group=state.own_group)
         buf.copy_(wide.div_(world))
         return torch.float32
     _fp32_accumulate(state, buf)
@@ -288,7 +297,7 @@ def _fp32_accumulate(state: HookState, buf: torch.Tensor) -> None:
     fast (see docs/BENCHMARKS.md); each chunk is split into world_size shards
     (``torch.tensor_split``: sizes differ by at most one, known to every rank).
     """
-    group = state.group
+    group = state.own_group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n_chunks = max(1, -(-buf.numel() // state.chunk_numel))
     for chunk in torch.tensor_split(buf, n_chunks):

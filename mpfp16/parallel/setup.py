@@ -18,9 +18,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import library_words
 from .base import is_initialized
 
-__all__ = ["DistInfo", "init", "teardown", "close_at_teardown", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "BACKENDS"]
+__all__ = ["DistInfo", "check_options", "init", "teardown", "close_at_teardown", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "BACKENDS"]
 
 logger = logging.getLogger("mpfp16")
 
@@ -56,6 +57,31 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def check_options(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None,
+                  say=library_words) -> None:
+    """The rules of :func:`init`'s options, on this machine, in one place: init calls it,
+    and so does a front end that wants to refuse before anything starts (the scripts'
+    config, before loading data). An NCCL backend without a CUDA device is refused
+    whether or not the job is distributed, so that it is never silently unused.
+
+    Raises:
+        ValueError: one line, the options worded by ``say`` (default ``name=value``).
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown distributed backend {say('backend', backend)}; choose one of {', '.join(BACKENDS)}")
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"{say('timeout_s', timeout_s)}: the distributed timeout must be positive and at most "
+                         f"{MAX_TIMEOUT_S:.0f} s (30 days)")
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"{say('device', device)}: the device must be cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{say('device', device)} was asked for, but no CUDA GPU is available here")
+    use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    if backend == "nccl" and not use_cuda:
+        raise ValueError(f"{say('backend', backend)}: the NCCL backend needs CUDA GPUs, and this run is on the CPU: "
+                         "use gloo")
+
+
 def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None,
          log_level: int = logging.INFO, group_of_one: bool = False) -> DistInfo:
     """Set up this process from torchrun's environment, or as a single process.
@@ -76,16 +102,8 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, devic
         A :class:`DistInfo`. Without torchrun (no ``WORLD_SIZE`` in the environment)
         no process group is created and ``backend`` is None.
     """
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown distributed backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if not 0 < timeout_s <= MAX_TIMEOUT_S:
-        raise ValueError(f"the distributed timeout must be positive and at most {MAX_TIMEOUT_S:.0f} s (30 days), "
-                         f"got {timeout_s}")
-    if device not in (None, "cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    check_options(backend=backend, timeout_s=timeout_s, device=device)
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
-    if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was asked for but no CUDA GPU is available")
 
     launched = "WORLD_SIZE" in os.environ
     rank = _env_int("RANK") if launched else 0
@@ -106,8 +124,6 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, devic
         return DistInfo(0, 1, 0, dev, None)
 
     backend = backend or ("nccl" if use_cuda else "gloo")
-    if backend == "nccl" and not use_cuda:
-        raise ValueError("the NCCL backend needs CUDA GPUs; use gloo on CPU")
     kwargs = {"device_id": dev} if use_cuda else {}
     timeout = timedelta(seconds=timeout_s)
     store = _attempt_store(rank, world_size, timeout) if launched else dist.HashStore()
