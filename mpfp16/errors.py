@@ -5,6 +5,12 @@ with exit status 1."""
 import re
 
 
+def escape_breaks(text: str) -> str:
+    """``text`` on one line, its line breaks written ``\\n`` (``\\r``): for a message
+    of mpfp16's own, whose breaks can only come from a name in it, such as a path."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message as one line: its first non-empty line (an OSError's
     reason alone), or the name of its type when it has no message. Errors re-raised from a DataLoader worker carry
@@ -19,7 +25,7 @@ def one_line(exc: BaseException) -> str:
     elif isinstance(exc, UserError):
         # mpfp16's own messages are one line; a line break in one comes from what it
         # names (a path with a newline in it), which must not be cut at it.
-        return text.replace("\r", "\\r").replace("\n", "\\n") or type(exc).__name__
+        return escape_breaks(text) or type(exc).__name__
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
 

@@ -1,13 +1,17 @@
-"""Reading a torch.save file that may come from anywhere, without running its code.
+"""Reading a torch.save file that may come from anywhere, without running its code, and
+saying why a write failed.
 
 Every checkpoint is read with ``torch.load(weights_only=True)``: tensors and plain
 values only, and a pickled Python object is refused, never executed. Callers can
 allow a few named classes (mpfp16.compat.apex allows apex's loss scalers), and every
-way a file can be wrong is one line naming the file.
+way a file can be wrong is one line naming the file. :func:`write_failure` says
+why a write failed in the operating system's words, a full disk included, which
+``torch.save`` reports only as "unexpected pos".
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
@@ -17,7 +21,47 @@ import torch
 
 from .errors import CheckpointError, one_line
 
-__all__ = ["load_weights_only", "fsync_dir"]
+__all__ = ["load_weights_only", "fsync_dir", "write_failure", "NO_SPACE"]
+
+NO_SPACE = "No space left on device"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# How torch's zip writer words a write that came up short (it drops the OSError's errno):
+# "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598", "PytorchStreamWriter failed writing ...".
+_SHORT_WRITE = re.compile(r"unexpected pos|PytorchStreamWriter failed|iostream error", re.I)
+_FULL_BELOW = 1 << 20  # bytes free under which a short write is put down to a full disk
+
+
+def _free_bytes(path: str) -> int | None:
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):  # no statvfs on this platform
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def write_failure(exc: BaseException, path: str) -> str | None:
+    """Why writing ``path`` failed, in the operating system's words, when the file
+    system made it fail: "No space left on device" when it is full, else an OSError's
+    reason; None when something else failed (a bug, which should propagate).
+
+    Call it before the partly written file is removed: a short write that torch
+    reports without an errno ("unexpected pos") is put down to a full disk only while
+    the file system of ``path`` has (almost) no space left.
+    """
+    seen, cause = set(), exc
+    while cause is not None and id(cause) not in seen:  # torch.save on a file object keeps the OSError as context
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
+            return NO_SPACE if cause.errno == errno.ENOSPC else (cause.strerror or NO_SPACE)
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(exc, OSError):
+        return one_line(exc)
+    if isinstance(exc, RuntimeError) and _SHORT_WRITE.search(str(exc)):
+        free = _free_bytes(path)
+        if free is not None and free < _FULL_BELOW:
+            return NO_SPACE
+    return None
 
 
 def fsync_dir(folder: str) -> None:

@@ -178,3 +178,209 @@ def cases(rank: int, folder: str) -> dict:
         run = (smodel, sopt) if kind.startswith("dcp") else (lmodel, lopt)
         out[kind] = _failing(kind, rank, sub, *run)
     return out
+
+
+# ------------------------------------------------------------------ integrity (tests/test_integrity.py)
+
+
+def training_state(model, opt, step: int) -> dict:
+    """What the training scripts save (mpfp16.train.checkpointing.RunCheckpoints.state):
+    every field of its schema, with this process's own values (a collective: rng)."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "step": step, "epoch": 0, "batches_done": step, "best_acc1": -1.0, "best_epoch": None,
+            "rng": mdist.all_gather_object(checkpoint.rng_state()), "elapsed": 1.5, "config": {"arch": "resnet9-w4"},
+            "run": {"processes": mdist.get_world_size()}}
+
+
+# A hand-edited training checkpoint that keeps its format marker: (field, new value or REMOVE).
+REMOVE = "<removed>"
+EDITS = [("scheduler", REMOVE), ("rng", REMOVE), ("step", REMOVE), ("epoch", REMOVE), ("batches_done", REMOVE),
+         ("best_acc1", REMOVE), ("best_epoch", REMOVE), ("step", "eight"), ("step", -1), ("step", 2.5),
+         ("step", True), ("epoch", None), ("batches_done", "3"), ("best_acc1", "high"), ("best_epoch", "one"),
+         ("scheduler", [1, 2]), ("scheduler", {"base_lrs": [0.1]}), ("rng", "seed"), ("rng", []),
+         ("rng", [{"torch": "state", "python": (3, (1, 2), None)}]), ("elapsed", "long"), ("config", [1]),
+         ("run", 7), ("comm", {"rank": 0})]
+# The same checks on a DCP folder's meta.pt (one schema serves both: a sample of the matrix).
+DCP_EDITS = [EDITS[i] for i in (0, 1, 2, 7, 11, 12, 15, 18)]
+
+
+def edited(state: dict, field: str, value) -> dict:
+    out = {k: v for k, v in state.items() if k != field}
+    if value is not REMOVE and value != REMOVE:
+        out[field] = value
+    return out
+
+
+def schema_error(path: str, model, opt) -> str | None:
+    """What resuming from ``path`` says, through mpfp16.checkpoint.read and the
+    training checkpoint's schema (as RunCheckpoints.resume checks it)."""
+    from mpfp16.train.checkpointing import check_training_state
+
+    where = os.path.join(path, dcp.META) if checkpoint.format_of(path) is checkpoint.DCP else path
+    try:
+        checkpoint.read(path, model, opt, check=lambda s: check_training_state(s, where))
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _flip(path: str, offset: int, bit: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << bit)]))
+
+
+def tensor_data_spans(blob: bytes, base: int = 0) -> list[tuple[str, int, int]]:
+    """(entry, start, length) of every tensor storage in a torch.save zip held in
+    ``blob`` (which starts at byte ``base`` of its file): the bytes a flipped bit
+    corrupts without breaking the file's structure."""
+    import io
+    import struct
+    import zipfile
+
+    spans = []
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        for info in z.infolist():
+            if "/data/" not in info.filename or info.file_size == 0 or info.filename.endswith(".pkl"):
+                continue
+            name_len, extra_len = struct.unpack("<HH", blob[info.header_offset + 26:info.header_offset + 30])
+            start = info.header_offset + 30 + name_len + extra_len
+            spans.append((info.filename, base + start, info.file_size))
+    return spans
+
+
+def _dcp_spans(path: str) -> list[tuple[str, str, int, int]]:
+    """(tensor fqn, shard file, start, length) of each saved chunk's tensor bytes."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = dcp._MetadataUnpickler(f).load()
+    spans = []
+    for index, info in sorted(metadata.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        for _, start, length in tensor_data_spans(blob, info.offset):
+            spans.append((index.fqn, info.relative_path, start, length))
+    return spans
+
+
+def _attempt_load(path, model, opt) -> str | None:
+    try:
+        checkpoint.read(path, model, opt)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+@in_process_group
+def integrity_cases(rank: int, folder: str, tmpfs: str | None) -> dict:
+    """The sharded format's checks, on every rank: a flipped bit in a shard file and in
+    meta.pt, old checkpoints without checksums, a truncated .metadata, a missing shard
+    file, hand-edited fields, a user's copy of a checkpoint folder, a full disk."""
+    import random
+    import shutil
+
+    barrier = torch.distributed.barrier
+    out = {}
+    model, opt = sharded_run(0)
+    train(model, opt, 1)
+    path = os.path.join(folder, "last.dcp")
+    checkpoint.DCP.save(path, training_state(model, opt, 1), tag="step1")
+    out["clean"] = _attempt_load(path, *sharded_run(1))
+    # One flipped bit in a sample of every rank's chunks, and in meta.pt's plain tensors.
+    spans = _dcp_spans(path)
+    rng = random.Random(0)
+    sample = rng.sample(spans, 10)
+    with open(os.path.join(path, dcp.META), "rb") as f:
+        meta_spans = tensor_data_spans(f.read())
+    flips = [(fqn, os.path.join(path, f), start + rng.randrange(length), rng.randrange(8))
+             for fqn, f, start, length in sample]
+    flips += [(name, os.path.join(path, dcp.META), start + rng.randrange(length), rng.randrange(8))
+              for name, start, length in rng.sample(meta_spans, 4)]
+    out["flips"] = []
+    for fqn, file_, offset, bit in flips:
+        if rank == 0:
+            _flip(file_, offset, bit)
+        barrier()
+        sharded_error = _attempt_load(path, *sharded_run(2))
+        whole_error = _attempt_load(path, *local_run(3))  # each rank reads it whole
+        barrier()
+        if rank == 0:
+            _flip(file_, offset, bit)
+        barrier()
+        out["flips"].append({"fqn": fqn, "file": os.path.basename(file_), "sharded": sharded_error,
+                             "whole": whole_error})
+    # Written before checksums existed: loads, and nothing is said.
+    old = os.path.join(folder, "old.dcp")
+    dcp.save(old, {"format": checkpoint.FORMAT, **training_state(model, opt, 1)}, checksum=False)
+    out["old"] = _attempt_load(old, *sharded_run(4))
+    out["old has none"] = "checksums" not in dcp.read_meta(old)["state"]
+    # 11 b: a truncated .metadata; c: a missing shard file.
+    for case in ("truncated", "missing-shard"):
+        sub = os.path.join(folder, case, "last.dcp")
+        os.makedirs(os.path.dirname(sub), exist_ok=True)
+        checkpoint.DCP.save(sub, training_state(model, opt, 1))
+        if rank == 0:
+            if case == "truncated":
+                md = os.path.join(sub, ".metadata")
+                os.truncate(md, os.path.getsize(md) // 2)
+            else:
+                os.unlink(os.path.join(sub, "__1_0.distcp"))
+        barrier()
+        out[case] = {"sharded": _attempt_load(sub, *sharded_run(5)), "whole": _attempt_load(sub, *local_run(6))}
+    # 9: hand-edited fields of meta.pt, its format marker kept.
+    out["edits"] = {}
+    for field, value in DCP_EDITS:
+        sub = os.path.join(folder, f"edit-{field}-{value}".replace("/", "_").replace(" ", ""), "last.dcp")
+        os.makedirs(os.path.dirname(sub), exist_ok=True)
+        checkpoint.DCP.save(sub, training_state(model, opt, 1))
+        if rank == 0:
+            meta_path = os.path.join(sub, dcp.META)
+            meta = torch.load(meta_path, weights_only=True)
+            meta["state"] = edited(meta["state"], field, value)
+            torch.save(meta, meta_path)
+        barrier()
+        out["edits"][(field, repr(value))] = schema_error(sub, *sharded_run(7))
+    # 11 d: a sharded optimizer state given to an unsharded optimizer.
+    lmodel, lopt = local_run(8)
+    try:
+        lopt.load_state_dict(opt.state_dict())
+        out["sharded into local"] = None
+    except ValueError as exc:
+        out["sharded into local"] = str(exc)
+    out["sharded into local, read"] = _attempt_load(path, lmodel, lopt)
+    # 5: a user's copy of a complete checkpoint folder, beside the run's.
+    run = os.path.join(folder, "run")
+    os.makedirs(run, exist_ok=True)
+    last = os.path.join(run, "last.dcp")
+    checkpoint.DCP.save(last, training_state(model, opt, 1), tag="step1")
+    first = os.readlink(last)
+    if rank == 0:
+        shutil.copytree(os.path.join(run, first), os.path.join(run, "sharded-backup"))
+        open(os.path.join(run, ".sharded-step2-dead.tmp"), "w").close()
+    barrier()
+    out["swept"] = checkpoint.remove_unfinished(run) if rank == 0 else None
+    barrier()
+    checkpoint.DCP.save(last, training_state(model, opt, 2), tag="step2")
+    checkpoint.DCP.keep_as_best(last, os.path.join(run, "best.dcp"))
+    checkpoint.DCP.save(last, training_state(model, opt, 3), tag="step3")
+    out["run listing"] = sorted(n for n in os.listdir(run) if not n.startswith(".mpfp16"))
+    out["first"], out["best"], out["last"] = first, os.readlink(os.path.join(run, "best.dcp")), os.readlink(last)
+    out["backup"] = _attempt_load(os.path.join(run, "sharded-backup"), *sharded_run(9))
+    # 2: a full disk (a tmpfs that holds one checkpoint, not two).
+    if tmpfs is not None:
+        full = os.path.join(tmpfs, "last.dcp")
+        checkpoint.DCP.save(full, training_state(model, opt, 1), tag="step1")
+        before = os.readlink(full)
+        try:
+            checkpoint.DCP.save(full, training_state(model, opt, 2), tag="step2")
+            out["full"] = None
+        except CheckpointError as exc:
+            out["full"] = str(exc)
+        barrier()
+        out["full kept"] = os.readlink(full) == before
+        out["full step"] = checkpoint.read(full, *sharded_run(10))["step"]
+        out["full listing"] = sorted(n for n in os.listdir(tmpfs) if not n.startswith(".mpfp16"))
+    return out

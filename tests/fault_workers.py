@@ -82,3 +82,29 @@ if __name__ == "__main__":
     import sys
 
     write_checkpoints_forever(sys.argv[1], int(sys.argv[2]))
+
+
+def recording_getitem(log_path: str):
+    """``InMemoryImages.__getitem__`` that also appends the (epoch, index) key of every
+    training sample it loads to ``log_path``, one "epoch index" line each (the training
+    set is the one with a transform; with -j 0 what is loaded is what is trained)."""
+    from mpfp16.train import data
+
+    original = data.InMemoryImages.__getitem__
+
+    def getitem(self, key):
+        if self.transform is not None:
+            with open(log_path, "a") as f:
+                f.write(f"{key[0]} {key[1]}\n")
+        return original(self, key)
+
+    return getitem
+
+
+def script_recording_samples(rank, argv, log_dir):
+    """train_cifar's command line on this rank, each training sample it loads written
+    to ``log_dir/rank{rank}.txt`` (:func:`recording_getitem`)."""
+    from mpfp16.train import data
+
+    data.InMemoryImages.__getitem__ = recording_getitem(os.path.join(log_dir, f"rank{rank}.txt"))
+    return run_cli(argv)

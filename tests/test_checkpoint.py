@@ -71,12 +71,12 @@ def test_one_sweep_removes_the_unfinished_writes_of_both_formats(tmp_path):
     for name in (".last.pt.abc123.tmp", ".best.pt.x.tmp", ".last.dcp.1234.tmp", ".sharded-step3-ab.tmp"):
         (tmp_path / name).write_text("partial")
     (tmp_path / ".sharded-step4-cd.tmp").mkdir()
-    (tmp_path / "sharded-step2-ef").mkdir()  # no link names it
+    (tmp_path / "sharded-step2-ef").mkdir()  # no link names it: a complete checkpoint all the same (a copy)
     (tmp_path / "sharded-step5-01").mkdir()
     os.symlink("sharded-step5-01", tmp_path / "last.dcp")
     (tmp_path / "last.pt").write_text("kept")
     (tmp_path / "notes.tmp").write_text("not ours")
     removed = checkpoint.remove_unfinished(str(tmp_path))
     assert sorted(removed) == sorted([".last.pt.abc123.tmp", ".best.pt.x.tmp", ".last.dcp.1234.tmp",
-                                      ".sharded-step3-ab.tmp", ".sharded-step4-cd.tmp", "sharded-step2-ef"])
-    assert sorted(os.listdir(tmp_path)) == ["last.dcp", "last.pt", "notes.tmp", "sharded-step5-01"]
+                                      ".sharded-step3-ab.tmp", ".sharded-step4-cd.tmp"])
+    assert sorted(os.listdir(tmp_path)) == ["last.dcp", "last.pt", "notes.tmp", "sharded-step2-ef", "sharded-step5-01"]

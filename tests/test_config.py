@@ -53,11 +53,63 @@ def test_every_help_ends_with_the_default_the_config_uses(task):
     (dict(rounding="kahan"), "--rounding kahan needs --no-master-weights"),
     (dict(evaluate=True), "--evaluate needs --resume PATH"),
     (dict(overwrite=True, resume="auto"), "cannot be combined with --resume"),
-    (dict(loss_scale=-1.0), "--loss-scale must be 'dynamic' or a positive number"),
+    (dict(loss_scale=-1.0), "--loss-scale -1: a loss scale must be a positive normal fp32 number"),
 ], ids=["optimizer", "precision", "loss-scale", "wire", "rounding", "evaluate", "overwrite", "bad-scale"])
 def test_contradictions_and_unknown_names_are_one_error_line(kw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig(task="cifar", **kw).validate()
+
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="refused only where no CUDA GPU is available")
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(loss_scale=1e-45), "--loss-scale 1e-45: a loss scale must be a positive normal fp32 number, from "
+                             "1.175e-38 to 3.403e+38"),  # a subnormal: its reciprocal overflows
+    (dict(loss_scale=1e39), "--loss-scale 1e+39: a loss scale must be a positive normal fp32 number, from "
+                            "1.175e-38 to 3.403e+38"),  # inf in fp32: every step skipped
+    pytest.param(dict(device="cuda"), "--device cuda was asked for, but no CUDA GPU is available here", marks=NO_GPU),
+    pytest.param(dict(dist_backend="nccl"), "--dist-backend nccl: the NCCL backend needs CUDA GPUs, and this run is "
+                 "on the CPU: use gloo", marks=NO_GPU),
+    (dict(dist_backend="nccl", device="cpu"), "--dist-backend nccl: the NCCL backend needs CUDA GPUs, and this run "
+                                              "is on the CPU: use gloo"),
+], ids=["scale-subnormal", "scale-inf", "cuda-without-gpu", "nccl-on-cpu", "nccl-with-device-cpu"])
+def test_flags_the_library_refuses_are_one_line_in_flags(kw, message):
+    """The loss scale's and the process set-up's rules are the library's own
+    (mpfp16.scaler.check_loss_scale, mpfp16.parallel.setup.check_options), worded as flags."""
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(task="cifar", **kw).validate()
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--loss-scale", "1e-45"], "--loss-scale 1e-45: a loss scale must be a positive normal fp32 number"),
+    (["--loss-scale", "1e39"], "--loss-scale 1e+39: a loss scale must be a positive normal fp32 number"),
+    pytest.param(["--device", "cuda"], "--device cuda was asked for, but no CUDA GPU is available here",
+                 marks=NO_GPU),
+    (["--dist-backend", "nccl", "--device", "cpu"], "--dist-backend nccl: the NCCL backend needs CUDA GPUs"),
+], ids=["scale-subnormal", "scale-inf", "cuda-without-gpu", "nccl-on-cpu"])
+@pytest.mark.parametrize("launched", [False, True], ids=["one-process", "under-torchrun"])
+def test_bad_flags_are_refused_before_anything_starts(capsys, monkeypatch, tmp_path, argv, message, launched):
+    """One error line and exit status 2 before any data is loaded or any process group
+    is made: under torchrun's environment too (no peer is there to meet; a rendezvous
+    would wait for one)."""
+    import train_cifar
+
+    if launched:
+        for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": "1"}.items():
+            monkeypatch.setenv(name, value)
+    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        train_cifar.main(["--synthetic-size", "64,16", "-a", "resnet9-w4", "--max-steps", "1", "--no-progress",
+                          "--dist-timeout", "5", "--checkpoint-dir", str(tmp_path), *argv])  # bounded if not refused
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2 and "Traceback" not in captured.err
+    last = captured.err.strip().splitlines()[-1]
+    assert last.split(": error: ", 1)[1].startswith(message), last
+    assert "data:" not in captured.out and not any(tmp_path.iterdir())  # nothing loaded, nothing written
 
 
 def test_the_library_path_refuses_an_unknown_optimizer_too(capsys, monkeypatch):

@@ -38,7 +38,8 @@ def torchrun_cmd(args, max_restarts):
 
 @pytest.mark.slow
 def test_elastic_restart_after_sigkill_is_bit_identical(cifar_root, tmp_path):
-    args = [cifar_root, *TINY, "--epochs", "3", "--max-steps", "30", "--save-every", "4", "--resume", "auto"]
+    # 6 steps an epoch on 2 processes: 30 steps are the whole schedule (--max-steps only shortens a run)
+    args = [cifar_root, *TINY, "--epochs", "5", "--max-steps", "30", "--save-every", "4", "--resume", "auto"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     straight = subprocess.run(torchrun_cmd(args + ["--checkpoint-dir", str(tmp_path / "straight")], 0), cwd=REPO,
                               env=env, capture_output=True, text=True, timeout=300)

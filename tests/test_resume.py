@@ -45,46 +45,95 @@ def test_auto_over_every_pair_of_steps():
 
 
 CK, METRICS = "run/last.pt", "run/metrics.jsonl"
+BEST, DCP, GONE = "run/best.pt", "run/last.dcp", "run/sharded-step8-ab12"
+FRESH = ("run holds an earlier run ({}): continue it with --resume auto, start elsewhere with another "
+         "--checkpoint-dir, or replace it with --overwrite")
+ELSEWHERE = "continue from {0} in another folder with --resume {0} --checkpoint-dir OTHER"
+AUTO_HERE = "continue the run in run from its last checkpoint with --resume auto, or "
 
 
 @pytest.mark.parametrize("resume,continues,checkpoints,metrics,overwrite,outcome", [
     (None, False, [], None, False, []),  # an empty folder
-    (None, False, [CK], None, False, "refused"),  # a forgotten --resume auto
-    (None, False, [], METRICS, False, "refused"),  # only the metrics of a run that never saved
+    (None, False, [CK], None, False, FRESH.format(CK)),  # a forgotten --resume auto
+    (None, False, [], METRICS, False, FRESH.format(METRICS)),  # only the metrics of a run that never saved
     (None, False, [CK], METRICS, True, [CK]),  # --overwrite: the checkpoints go, the metrics are truncated
     ("auto", True, [CK], METRICS, False, []),  # continues its folder
-    ("auto", False, ["run/best.pt"], None, False, "refused"),  # no last to continue, a best to lose
+    # no last to continue, a best to lose: not "use --resume auto", which it does
+    ("auto", False, [BEST], None, False,
+     f"--resume auto found nothing to continue in run (no last.pt or last.dcp; it holds {BEST}): "
+     f"{ELSEWHERE.format(BEST)}, or start afresh in run with --overwrite and without --resume"),
     ("auto", False, [], METRICS, False, []),  # the metrics are appended to
-    ("other/last.pt", False, [CK], None, False, "refused"),  # another run's checkpoint into this run's folder
+    # another run's checkpoint into this run's folder: no --overwrite, which --resume refuses
+    ("other/last.pt", False, [CK], None, False,
+     f"run holds an earlier run ({CK}): {AUTO_HERE}{ELSEWHERE.format('other/last.pt')}"),
+    ("other/last.pt", False, [BEST], None, False,  # and no --resume auto where it finds nothing
+     f"run holds an earlier run ({BEST}): {ELSEWHERE.format('other/last.pt')}"),
     ("other/last.pt", False, [], METRICS, False, []),
     ("run/last.pt", True, [CK], METRICS, False, []),  # --resume naming this folder's own last
-])
+], ids=["empty", "forgotten-resume", "metrics-only", "overwrite", "continues", "auto-without-last",
+        "auto-metrics-only", "other-run", "other-run-no-last", "other-run-metrics-only", "own-last"])
 def test_what_an_earlier_run_means(resume, continues, checkpoints, metrics, overwrite, outcome):
     call = dict(resume=resume, continues=continues, checkpoints=checkpoints, metrics=metrics, overwrite=overwrite,
                 folder="run")
-    if outcome == "refused":
+    if isinstance(outcome, str):
         with pytest.raises(UserError) as err:
             R.earlier_run(**call)
-        listed = checkpoints + ([metrics] if metrics and resume is None else [])
-        assert str(err.value) == (f"run holds an earlier run ({', '.join(listed)}): continue it with --resume auto, "
-                                  "start elsewhere with another --checkpoint-dir, or replace it with --overwrite")
+        assert str(err.value) == outcome
     else:
         assert R.earlier_run(**call) == outcome
 
 
+@pytest.mark.parametrize("checkpoints,dangling,resume,own,message", [
+    ([DCP], {DCP: GONE}, "auto", False,  # a sharded run's link, its folder deleted
+     f"--resume auto found nothing to continue in run ({DCP} names {GONE}, which is gone; it holds {DCP}): "
+     "start afresh in run with --overwrite and without --resume, or in another --checkpoint-dir"),
+    ([DCP, "run/best.dcp"], {DCP: GONE}, "auto", False,
+     f"--resume auto found nothing to continue in run ({DCP} names {GONE}, which is gone; it holds {DCP}, "
+     f"run/best.dcp): {ELSEWHERE.format('run/best.dcp')}, or start afresh in run with --overwrite and without "
+     "--resume"),
+    ([CK, BEST], {}, BEST, True,  # DIR/best.pt into DIR: its later last.pt would be replaced
+     f"{BEST} is a checkpoint of the run in run ({CK}, {BEST}); continuing from it there would replace that run's "
+     f"later checkpoints and mix two histories in its metrics: {AUTO_HERE}{ELSEWHERE.format(BEST)}"),
+    ([BEST], {}, BEST, True,
+     f"{BEST} is a checkpoint of the run in run ({BEST}); continuing from it there would replace that run's "
+     f"later checkpoints and mix two histories in its metrics: {ELSEWHERE.format(BEST)}"),
+    ([DCP, BEST], {DCP: GONE}, None, False,  # a fresh start there: not "--resume auto", which finds nothing
+     f"run holds an earlier run ({DCP}, {BEST}; {DCP} names {GONE}, which is gone) with no last checkpoint to "
+     f"continue: {ELSEWHERE.format(BEST)}, start elsewhere with another --checkpoint-dir, or replace it with "
+     "--overwrite"),
+], ids=["dangling-last-dcp", "dangling-last-dcp-and-best", "own-best", "own-best-no-last", "fresh-dangling"])
+def test_the_advice_names_what_is_there_and_what_is_missing(checkpoints, dangling, resume, own, message):
+    with pytest.raises(UserError) as err:
+        R.earlier_run(resume=resume, continues=False, checkpoints=checkpoints, metrics=None, overwrite=False,
+                      folder="run", dangling=dangling, own_checkpoint=own)
+    assert str(err.value) == message
+
+
 def test_an_earlier_run_over_the_whole_matrix():
     """Nothing is ever deleted without --overwrite or when the run continues; the
-    metrics file is never deleted; a refusal names every file of the earlier run."""
-    for resume, continues, checkpoints, metrics, overwrite in itertools.product(
-            [None, "auto", "x/last.pt"], [False, True], [[], [CK], [CK, "run/best.dcp"]], [None, METRICS],
-            [False, True]):
+    metrics file is never deleted; a refusal names every file of the earlier run, and
+    only advice that works: --overwrite only without --resume (the config refuses the
+    two together), --resume auto only where a "last" checkpoint loads."""
+    for resume, continues, checkpoints, metrics, overwrite, gone in itertools.product(
+            [None, "auto", "x/last.pt", BEST], [False, True], [[], [CK], [CK, "run/best.dcp"], [DCP, BEST]],
+            [None, METRICS], [False, True], [False, True]):
+        dangling = {DCP: GONE} if gone and DCP in checkpoints else {}
         earlier = checkpoints + ([metrics] if metrics and resume is None else [])
         try:
             removed = R.earlier_run(resume=resume, continues=continues, checkpoints=checkpoints, metrics=metrics,
-                                    overwrite=overwrite, folder="run")
+                                    overwrite=overwrite, folder="run", dangling=dangling,
+                                    own_checkpoint=resume == BEST and BEST in checkpoints)
         except UserError as exc:
+            said = str(exc)
             assert not continues and not overwrite and earlier
-            assert all(path in str(exc) for path in earlier)
+            assert all(path in said for path in earlier)
+            if resume is not None:
+                assert "--overwrite" not in said.replace("--overwrite and without --resume", "")
+            loads_a_last = any(p.startswith("run/last") and p not in dangling for p in checkpoints)
+            if not loads_a_last and (checkpoints or resume is not None):
+                assert "with --resume auto" not in said
+            if resume in (None, "auto"):
+                assert all(f"{link} names {target}, which is gone" in said for link, target in dangling.items())
             continue
         assert continues or overwrite or not earlier
         assert METRICS not in removed
@@ -150,15 +199,6 @@ def test_changes_are_refused_or_warned_about(allow):
                                   "continue anyway, no longer bit-identically")
 
 
-@pytest.mark.parametrize("done,saved_b,b,accum,expected", [
-    (6, 16, 16, 1, 6), (6, 16, 8, 1, 12), (3, 16, 8, 1, 6), (5, 8, 16, 1, 2), (6, 16, 8, 2, 12), (7, 16, 8, 4, 12),
-    (0, 16, 8, 1, 0),
-])
-def test_the_position_is_kept_in_samples_when_the_batch_changes(done, saved_b, b, accum, expected):
-    assert R.batches_done_after_change(done, saved_b, b, accum) == expected
-    assert expected * b <= done * saved_b and expected % accum == 0  # never a sample skipped
-
-
 # ----------------------------------------------------------------- the communication hook's state
 
 
@@ -193,3 +233,77 @@ def test_an_inexact_comm_state_is_refused_unless_allowed():
         R.judge_inexact_comm_state("layout unknown", False, "p")
     assert R.judge_inexact_comm_state("layout unknown", True, "p") == (
         "resuming p: layout unknown; the run is no longer bit-identical to an uninterrupted one")
+
+
+# ----------------------------------------------------------------- the position in the epoch, in samples
+
+
+def trained_keys(size, world, batch, accum, start, steps, epoch=0, seed=0):
+    """The samples ``steps`` optimizer steps take from ``start`` on, as the run's
+    samplers and loaders deal them: each rank's micro-batches in turn."""
+    from mpfp16.train.data import ResumableDistributedSampler
+
+    shares = []
+    for rank in range(world):
+        sampler = ResumableDistributedSampler(range(size), world, rank, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch, start)
+        shares.append([index for _, index in sampler])
+    per_step = batch * accum
+    assert all(len(share) >= steps * per_step for share in shares)
+    return [i for step in range(steps) for share in shares for i in share[step * per_step:(step + 1) * per_step]]
+
+
+LAYOUTS = [(1, 16, 1), (2, 8, 1), (2, 6, 1), (1, 12, 1), (2, 4, 2), (3, 5, 1), (4, 3, 2), (1, 32, 1)]
+
+
+@pytest.mark.parametrize("size", [200, 203])
+def test_the_position_is_global_for_any_change_of_processes_batch_and_accumulation(size):
+    """Over every pair of (processes, -b, --accum-steps), both ways: an epoch begun on
+    one and resumed on the other trains each of its samples at most once, takes them
+    in the one order of the epoch (the same for every world size), and stops only
+    where the rest cannot fill a step of the resumed run, as an uninterrupted epoch of
+    it does."""
+    from mpfp16.train.data import ResumableDistributedSampler
+
+    order = ResumableDistributedSampler(range(size), 1, 0, shuffle=True, seed=0).order()
+    for (w1, b1, a1), (w2, b2, a2) in itertools.product(LAYOUTS, repeat=2):
+        first_steps = R.steps_left_in_epoch(0, dataset_size=size, world_size=w1, batch_size=b1, accum_steps=a1)
+        for steps in (1, first_steps // 2, first_steps - 1):
+            before = trained_keys(size, w1, b1, a1, 0, steps)
+            saved = {"batches_done": steps * a1, "config": {"batch_size": b1}, "run": {"processes": w1}}
+            position = R.samples_done(saved, batch_size=b2)  # a checkpoint that recorded only its own batches
+            assert position == len(before) == steps * b1 * a1 * w1
+            assert R.samples_done({**saved, "samples_done": position}, batch_size=b2) == position
+            rest = R.steps_left_in_epoch(position, dataset_size=size, world_size=w2, batch_size=b2, accum_steps=a2)
+            after = trained_keys(size, w2, b2, a2, position, rest)
+            trained = before + after
+            assert len(set(trained)) == len(trained), ((w1, b1, a1), (w2, b2, a2), steps)  # none twice
+            assert sorted(trained) == sorted(order[:len(trained)])  # none skipped: the order's first samples
+            assert size - len(trained) < b2 * a2 * w2 + w2  # the rest cannot fill one more step
+            assert R.steps_left_in_epoch(len(trained), dataset_size=size, world_size=w2, batch_size=b2,
+                                         accum_steps=a2) == 0
+
+
+def test_the_position_of_an_early_checkpoint_counts_its_processes_by_its_rng_states():
+    assert R.samples_done({"batches_done": 3, "config": {"batch_size": 8}, "rng": [{}, {}]}, batch_size=16) == 48
+    assert R.samples_done({"batches_done": 3, "rng": [{}]}, batch_size=16) == 48  # no config: -b now
+    assert R.samples_done({"batches_done": 0, "samples_done": 0, "run": {"processes": 4}}, batch_size=16) == 0
+
+
+def test_the_epoch_order_is_one_permutation_sharded_across_ranks():
+    """With no start, each rank's share is DistributedSampler's (drop_last); the ranks'
+    i-th samples are the order's i-th group of world samples, for any world size."""
+    from torch.utils.data import DistributedSampler
+
+    from mpfp16.train.data import ResumableDistributedSampler
+
+    for size, world, epoch in itertools.product([200, 203, 7], [1, 2, 3, 4], [0, 5]):
+        order = ResumableDistributedSampler(range(size), 1, 0, seed=3).order()
+        for rank in range(world):
+            ours = ResumableDistributedSampler(range(size), world, rank, seed=3)
+            ours.set_epoch(epoch)
+            theirs = DistributedSampler(range(size), num_replicas=world, rank=rank, seed=3, drop_last=True)
+            theirs.set_epoch(epoch)
+            assert [i for _, i in ours] == list(theirs) and len(ours) == len(theirs)
+            if epoch == 0:
+                assert [i for _, i in ours] == order[rank: size // world * world: world]

@@ -4,6 +4,7 @@ what")."""
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,6 +89,47 @@ def test_resuming_another_runs_checkpoint_into_a_folder_with_a_run_is_refused(ci
     assert status == 0  # into a new folder: fine
 
 
+@pytest.mark.slow  # three short runs
+def test_the_advice_of_a_refused_resume_works(cifar_root, tmp_path, capsys):
+    """--resume DIR/best.pt into DIR is refused (its later last.pt would be replaced),
+    with advice that is then followed and works; --resume auto without a last.pt, or
+    with a last.dcp whose folder is gone, says what is there and what is missing, and
+    no longer says "use --resume auto"."""
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    common = [cifar_root, *TINY, "--precision", "fp32"]
+    assert run(common + ["--max-steps", "2", "--checkpoint-dir", str(ck)], capsys)[0] == 0
+    best, last = ck / "best.pt", ck / "last.pt"
+
+    status, err, out = run(common + ["--max-steps", "3", "--resume", str(best), "--checkpoint-dir", str(ck)], capsys)
+    assert status == 2 and "data:" not in out
+    assert err == (f"error: {best} is a checkpoint of the run in {ck} ({last}, {best}); continuing from it there "
+                   "would replace that run's later checkpoints and mix two histories in its metrics: continue the run "
+                   f"in {ck} from its last checkpoint with --resume auto, or continue from {best} in another folder "
+                   f"with --resume {best} --checkpoint-dir OTHER\n")
+    status, err, _ = run(common + ["--max-steps", "3", "--resume", str(best), "--checkpoint-dir", str(other)], capsys)
+    assert status == 0, err  # the advice, followed
+    assert torch.load(other / "last.pt", weights_only=True)["step"] == 3 and last.exists()
+
+    last.unlink()
+    status, err, _ = run(common + ["--max-steps", "3", "--resume", "auto", "--checkpoint-dir", str(ck)], capsys)
+    assert status == 2 and err == (f"error: --resume auto found nothing to continue in {ck} (no last.pt or last.dcp; "
+                                   f"it holds {best}): continue from {best} in another folder with --resume {best} "
+                                   f"--checkpoint-dir OTHER, or start afresh in {ck} with --overwrite and without "
+                                   "--resume\n")
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    os.symlink("sharded-step4-0a1b", sharded / "last.dcp")  # its folder deleted
+    status, err, out = run(common + ["--max-steps", "1", "--resume", "auto", "--checkpoint-dir", str(sharded)], capsys)
+    assert status == 2 and "data:" not in out
+    assert err == (f"error: --resume auto found nothing to continue in {sharded} ({sharded / 'last.dcp'} names "
+                   f"{sharded / 'sharded-step4-0a1b'}, which is gone; it holds {sharded / 'last.dcp'}): start afresh "
+                   f"in {sharded} with --overwrite and without --resume, or in another --checkpoint-dir\n")
+    status, err, _ = run(common + ["--max-steps", "1", "--overwrite", "--checkpoint-dir", str(sharded)], capsys)
+    assert status == 0, err  # the advice, followed
+    assert not os.path.lexists(sharded / "last.dcp") and (sharded / "last.pt").exists()
+
+
 @pytest.mark.slow
 def test_a_second_live_run_is_locked_out_and_a_dead_ones_lock_is_not(cifar_root, tmp_path, capsys):
     ck = tmp_path / "ck"
@@ -146,6 +188,79 @@ def test_allowed_changes_take_effect(cifar_root, tmp_path, capsys):
     assert lr4 < 0.2 and lr3 > 0.3  # the cosine schedule continues from the new peak
 
 
+def epoch_order(size=200, seed=0):
+    from mpfp16.train.data import ResumableDistributedSampler
+
+    return ResumableDistributedSampler(range(size), 1, 0, shuffle=True, seed=seed).order()
+
+
+def logged_keys(*paths):
+    keys = []
+    for path in paths:
+        with open(path) as f:
+            keys += [tuple(map(int, line.split())) for line in f]
+    return keys
+
+
+def assert_epoch_trained_once(before, after, trained, size=200):
+    """Epoch 0's samples before and after the resume: none twice, none skipped (the
+    first ``trained`` of the epoch's one order)."""
+    keys = [index for epoch, index in before + after if epoch == 0]
+    assert len(keys) == len(set(keys)) == trained
+    assert sorted(keys) == sorted(epoch_order(size)[:trained])
+
+
+ONE_EPOCH = ["-a", "resnet9-w4", "--precision", "fp32", "--no-progress", "-p", "1", "--epochs", "1"]
+
+
+@pytest.mark.slow
+def test_two_processes_resumed_on_one_with_another_batch_train_each_sample_once(cifar_root, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """2 processes x -b 6 stop after 5 steps (60 samples); 1 process x -b 16 with
+    --allow-changed-config trains the 8 steps the other 140 samples fill (128), and
+    epoch 1 ends at step 13: no sample twice (it repeated 30 before) and none skipped."""
+    import fault_workers as FW
+    from dist_helpers import run_workers
+
+    ck = tmp_path / "ck"
+    first = [cifar_root, *ONE_EPOCH, "-b", "6", "--max-steps", "5", "--checkpoint-dir", str(ck)]
+    results = run_workers(FW.script_recording_samples, tmp_path / "out", args=(first, str(tmp_path)), timeout=240)
+    assert [r["status"] for r in results] == [0, 0], results[0]["stderr"][-2000:]
+    monkeypatch.setattr("mpfp16.train.data.InMemoryImages.__getitem__", FW.recording_getitem(tmp_path / "resumed.txt"))
+    status, err, _ = run([cifar_root, *ONE_EPOCH, "-b", "16", "--resume", "auto", "--allow-changed-config",
+                          "--checkpoint-dir", str(ck)], capsys)
+    assert status == 0, err
+    assert_epoch_trained_once(logged_keys(tmp_path / "rank0.txt", tmp_path / "rank1.txt"),
+                              logged_keys(tmp_path / "resumed.txt"), trained=60 + 128)
+    recs = records(ck / "metrics.jsonl")
+    assert [(r["epoch"], r["step"]) for r in recs if r["type"] == "eval"][-1] == (1, 13)
+    assert recs[-1]["type"] == "final" and recs[-1]["step"] == 13
+
+
+@pytest.mark.slow
+def test_one_process_resumed_on_two_with_another_batch_train_each_sample_once(cifar_root, tmp_path, capsys,
+                                                                               monkeypatch):
+    """1 process x -b 12 stops after 3 steps (36 samples, not a whole number of the
+    resumed run's micro-batches of 2 x 8); 2 processes x -b 4 x --accum-steps 2 train
+    the 10 steps the other 164 fill (160). It skipped the rest of the epoch before."""
+    import fault_workers as FW
+    from dist_helpers import run_workers
+
+    ck = tmp_path / "ck"
+    monkeypatch.setattr("mpfp16.train.data.InMemoryImages.__getitem__", FW.recording_getitem(tmp_path / "first.txt"))
+    status, err, _ = run([cifar_root, *ONE_EPOCH, "-b", "12", "--max-steps", "3", "--checkpoint-dir", str(ck)],
+                         capsys)
+    assert status == 0, err
+    resumed = [cifar_root, *ONE_EPOCH, "-b", "4", "--accum-steps", "2", "--resume", "auto", "--allow-changed-config",
+               "--checkpoint-dir", str(ck)]
+    results = run_workers(FW.script_recording_samples, tmp_path / "out", args=(resumed, str(tmp_path)), timeout=240)
+    assert [r["status"] for r in results] == [0, 0], results[0]["stderr"][-2000:]
+    assert_epoch_trained_once(logged_keys(tmp_path / "first.txt"),
+                              logged_keys(tmp_path / "rank0.txt", tmp_path / "rank1.txt"), trained=36 + 160)
+    recs = records(ck / "metrics.jsonl")
+    assert [(r["epoch"], r["step"]) for r in recs if r["type"] == "eval"][-1] == (1, 13)
+
+
 @pytest.mark.parametrize("free", [["--max-steps", "5"], ["--save-every", "1"], ["-p", "2"], ["--no-progress"],
                                   ["-j", "1"], ["--metrics", "{tmp}/elsewhere.jsonl"]],
                          ids=["max-steps", "save-every", "print-freq", "no-progress", "workers", "metrics"])
@@ -155,6 +270,24 @@ def test_flags_that_change_neither_order_nor_schedule_are_free(cifar_root, tmp_p
     status, err, _ = run(common + ["--max-steps", "4", "--resume", "auto",
                                    *[f.format(tmp=tmp_path) for f in free]], capsys)
     assert status == 0 and err == ""
+
+
+def test_max_steps_beyond_the_schedule_ends_at_epochs_and_says_so(cifar_root, tmp_path, capsys):
+    """--max-steps only shortens: 50 steps asked of a 1-epoch schedule of 12 end at step
+    12, with one line that says so (the run went on at lr 0 to step 50 before)."""
+    status, err, out = run([cifar_root, *TINY, "--precision", "fp32", "--epochs", "1", "--max-steps", "50",
+                            "--checkpoint-dir", str(tmp_path)], capsys)
+    assert status == 0 and err == ""
+    line = ("--max-steps 50 is beyond the end of the schedule: the run ends with --epochs 1, at step 12 (--max-steps "
+            "only shortens a run; raise --epochs to train longer)")
+    assert out.splitlines().count(line) == 1
+    recs = records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs if r["type"] == "train"][-1] == 12 and recs[-1]["step"] == 12
+    assert recs[-1]["epoch"] == 1
+    from mpfp16.train.build import beyond_the_schedule
+
+    assert beyond_the_schedule(12, 1, 12) is None and beyond_the_schedule(5, 1, 12) is None  # a cap it reaches
+    assert beyond_the_schedule(None, 1, 12) is None and beyond_the_schedule(13, 1, 12) is not None
 
 
 # ----------------------------------------------------------------- 3. fail before training
@@ -232,6 +365,7 @@ def test_a_signal_mid_epoch_saves_and_the_resumed_run_is_bit_identical(cifar_roo
             "continue with --resume auto")
     if torchrun:  # torchrun's agent forwards the signal to every worker; rank 0 speaks for them
         assert err.count(line) == 1
+        assert_torchrun_got_the_signal(proc, err, sig)
     else:
         assert proc.returncode == 128 + sig
         assert err.splitlines() == [f"{signal.Signals(sig).name}: finishing this step and saving; send it again to "
@@ -240,6 +374,52 @@ def test_a_signal_mid_epoch_saves_and_the_resumed_run_is_bit_identical(cifar_roo
     resumed = script(args + ["--checkpoint-dir", str(parts), "--resume", "auto"], torchrun)
     assert resumed.communicate(timeout=300) and resumed.returncode == 0
     assert_same_final_state(tmp_path / "straight" / "last.pt", parts / "last.pt")
+
+
+def assert_torchrun_got_the_signal(proc, err, sig):
+    """What torchrun itself does when it gets SIGTERM or SIGINT (torch 2.x, not ours to
+    change): it forwards the signal to every worker, waits for them (up to its
+    --shutdown-timeout, 30 s by default, then SIGKILL), and exits 1 with its own
+    traceback of a SignalException, whatever status the workers stopped with."""
+    assert proc.returncode == 1
+    assert f"Received {int(sig)} death signal, shutting down workers" in err
+    assert err.rstrip().splitlines()[-1] == (f"torch.distributed.elastic.multiprocessing.api.SignalException: "
+                                             f"Process {proc.pid} got signal: {int(sig)}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,target", [(signal.SIGINT, "torchrun"), (signal.SIGTERM, "a worker")],
+                         ids=["sigint-to-torchrun", "sigterm-to-a-worker"])
+def test_what_torchrun_says_after_a_clean_stop(cifar_root, tmp_path, sig, target):
+    """Under torchrun every rank saves and exits 128 + the signal with rank 0's one
+    line, and torchrun exits 1 with its own traceback: a SignalException when it got
+    the signal itself, a ChildFailedError listing each worker's exitcode 143 (130) when
+    only a worker did (the first to exit; torchrun then ends the others with SIGTERM).
+    torchrun has no flag that passes its workers' status on."""
+    from run_helpers import children
+
+    ck = tmp_path / "ck"
+    proc = script([cifar_root, *TINY, "--precision", "fp32", "--epochs", "3", "--checkpoint-dir", str(ck)],
+                  torchrun=True)
+    wait_for_step(ck / "metrics.jsonl", 2, proc)
+    pid = proc.pid if target == "torchrun" else sorted(children(proc.pid))[0]
+    os.kill(pid, sig)
+    _, err = proc.communicate(timeout=120)
+    stopped = records(ck / "metrics.jsonl")[-1]
+    assert stopped["type"] == "stopped" and stopped["reason"] == signal.Signals(sig).name
+    assert torch.load(ck / "last.pt", weights_only=True)["step"] == stopped["step"]
+    assert err.count(f"stopped by {signal.Signals(sig).name} at step {stopped['step']}: saved {ck / 'last.pt'}; "
+                     "continue with --resume auto") == 1
+    if target == "torchrun":
+        assert_torchrun_got_the_signal(proc, err, sig)
+    else:
+        assert proc.returncode == 1
+        assert err.rstrip().splitlines()[-1] == "=" * 60  # the end of its ChildFailedError report
+        assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in err
+        # The workers exit 128 + the signal; torchrun stops the group once the first has, so one
+        # still on its way out may be ended by torchrun's own SIGTERM (its checkpoint is written).
+        codes = re.findall(r"exitcode  : (-?\d+)", err)
+        assert str(128 + sig) in codes and set(codes) <= {str(128 + sig), str(-signal.SIGTERM)}, codes
 
 
 @pytest.mark.slow

@@ -199,6 +199,37 @@ def test_empty_imagefolder_and_unknown_arch(tmp_path, capsys):
     assert status == 2 and "unknown torchvision arch 'resnet5000'" in err
 
 
+@pytest.mark.parametrize("link,target,kind", [("cat/loop", "..", "loop"), ("cat/again", "../dog", "twice")])
+def test_a_link_that_counts_images_again_is_refused(tmp_path, capsys, link, target, kind):
+    """ImageFolder follows links: train/cat/loop -> .. made 48 training images 2,928,
+    and a second way into a class folder counts its images twice. One line naming the
+    link, before training."""
+    root = write_fake_imagefolder(tmp_path / "root")
+    path = tmp_path / "root" / "train" / link
+    os.symlink(target, path)
+    status, err = run_main(train_imagenet.main, [root, *TINY_IMAGENET, "--max-steps", "1", "--checkpoint-dir",
+                                                 str(tmp_path / "ck")], capsys)
+    assert status == 2 and err.count("\n") == 1
+    real = os.path.realpath(path)
+    if kind == "loop":
+        assert err == (f"error: {path} is a link to {real}, and following it leads back to "
+                       f"{tmp_path / 'root' / 'train'}: a loop, which would count its images again at every turn; "
+                       "remove the link\n")
+    else:
+        assert err == (f"error: {path} is a link to {real}, which {tmp_path / 'root' / 'train'} holds already "
+                       f"({tmp_path / 'root' / 'train' / 'dog'}): its images would count twice; remove the link\n")
+
+
+def test_a_single_class_is_warned_about_once(tmp_path, capsys):
+    root = write_fake_imagefolder(tmp_path / "root", classes=("cat",))
+    status, err = run_main(train_imagenet.main, [root, *TINY_IMAGENET, "--max-steps", "1", "--checkpoint-dir",
+                                                 str(tmp_path / "ck")], capsys)
+    assert status == 0, err
+    assert err == (f"WARNING: the training split {tmp_path / 'root' / 'train'} holds a single class folder 'cat': "
+                   "every prediction is right and accuracy will read 100% whatever the model learns; a classifier "
+                   "needs two classes or more\n")
+
+
 def test_fused_on_that_cannot_compile_is_one_line(cifar_root, tmp_path, capsys, monkeypatch):
     import torch._inductor.exc
 

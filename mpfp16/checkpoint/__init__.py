@@ -97,8 +97,9 @@ class _Dcp(Format):
 
     def keep_as_best(self, last_path: str, best_path: str) -> None:
         def link_best():
+            previous = dcp.data_folder(best_path)
             dcp.link(best_path, os.path.realpath(last_path))
-            dcp.remove_unreferenced(os.path.dirname(os.path.abspath(best_path)))
+            dcp.remove_if_unlinked(os.path.dirname(os.path.abspath(best_path)), previous)
 
         _on_main(link_best, f"cannot write checkpoint {best_path}")
 
@@ -269,23 +270,26 @@ def remove(path: str) -> None:
     """Delete the checkpoint at ``path`` (a file, or a DCP link and the folder it alone
     names); rank 0 does it, every rank hears of a failure."""
     def delete():
+        named = dcp.data_folder(path)
         if os.path.lexists(path):
             os.unlink(path)
-        dcp.remove_unreferenced(os.path.dirname(os.path.abspath(path)))
+        dcp.remove_if_unlinked(os.path.dirname(os.path.abspath(path)), named)
 
     _on_main(delete, f"cannot remove checkpoint {path}")
 
 
 def remove_unfinished(folder: str) -> list[str]:
-    """Delete what unfinished writes of either format left in ``folder`` (temporary
-    files, links and folders; DCP data folders that no link names): one sweep, by the
-    caller that owns the folder (rank 0, holding its lock). Returns what was removed."""
+    """Delete what unfinished writes of either format left in ``folder``: their
+    temporary files, links and folders (``.last.pt.XXXX.tmp``, ``.last.dcp.XXXX.tmp``,
+    ``.sharded-...tmp``), which are never a complete checkpoint. A complete checkpoint
+    is never swept, linked or not (a user's copy of a DCP folder, say). One sweep, by
+    the caller that owns the folder (rank 0, holding its lock). Returns what was removed."""
     try:
         names = os.listdir(folder)
     except OSError:
         return []
     removed = []
-    for name in [n for n in names if file.is_unfinished(n) or dcp.is_unfinished(n)] + dcp.unlinked_data(folder):
+    for name in [n for n in names if file.is_unfinished(n) or dcp.is_unfinished(n)]:
         full = os.path.join(folder, name)
         try:
             if os.path.isdir(full) and not os.path.islink(full):

@@ -25,6 +25,11 @@ only then removes the folder the link named before. A crash at any moment leaves
 link naming a complete checkpoint, the previous one until the swap. Whatever fails
 on any rank, every rank raises the same one-line :class:`CheckpointError`.
 
+**Checked on load.** Every checkpoint carries the checksums of its tensors
+(:mod:`.integrity`, the same function as the file format's): each rank sums the shards
+it writes, and at load each rank sums the shards it read, of whatever sharding; one
+changed bit is one line naming the folder, the tensor and the files that hold it.
+
 **No code runs on load.** DCP reads its ``.metadata`` with ``pickle`` and its
 non-tensor items with ``torch.load(weights_only=False)``. Here ``.metadata`` is read
 first by an unpickler that builds DCP's own metadata records and nothing else, every
@@ -47,10 +52,11 @@ import torch
 from ..errors import CheckpointError, one_line
 from ..parallel.base import broadcast_object, failures, get_rank, get_world_size, raise_first
 from ..parallel.fsdp_shim import is_sharded
-from ..serialization import fsync_dir, load_weights_only
+from ..serialization import fsync_dir, load_weights_only, write_failure
+from . import integrity
 
 __all__ = ["FORMAT", "META", "save", "load", "load_whole", "inspect", "link", "is_checkpoint", "read_meta",
-           "unlinked_data", "remove_unreferenced", "is_unfinished"]
+           "data_folder", "remove_if_unlinked", "is_unfinished"]
 
 FORMAT = "mpfp16.sharded-checkpoint/1"
 META = "meta.pt"
@@ -141,26 +147,32 @@ def is_unfinished(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp") and (".dcp." in name or name.startswith(f".{DATA_PREFIX}"))
 
 
-def unlinked_data(parent: str) -> list[str]:
-    """The data folders in ``parent`` that no link there names: a checkpoint replaced
-    by a newer one, or one whose link was never made."""
+def data_folder(path: str) -> str | None:
+    """The data folder that the link ``path`` names (a name in the link's folder), or
+    None when ``path`` is not a link to one."""
+    if not os.path.islink(path):
+        return None
+    name = os.readlink(path)
+    return name if name.startswith(DATA_PREFIX) and os.sep not in name else None
+
+
+def remove_if_unlinked(parent: str, name: str | None) -> bool:
+    """Delete the data folder ``parent/name`` if no link in ``parent`` names it any more:
+    the folder a link named until this run's own newer save (or removal) moved the
+    link off it. Only such a folder goes: a start never sweeps complete checkpoints,
+    and a folder no link ever named (a user's copy, say) is never this run's to
+    delete. Returns whether it was removed."""
+    full = os.path.join(parent, name) if name else None
+    if full is None or not name.startswith(DATA_PREFIX) or os.path.islink(full) or not os.path.isdir(full):
+        return False
     try:
         names = os.listdir(parent)
     except OSError:
-        return []
-    kept = {os.path.basename(os.path.realpath(os.path.join(parent, n)))
-            for n in names if os.path.islink(os.path.join(parent, n))}
-    return [n for n in names if n.startswith(DATA_PREFIX) and n not in kept
-            and os.path.isdir(os.path.join(parent, n)) and not os.path.islink(os.path.join(parent, n))]
-
-
-def remove_unreferenced(parent: str) -> list[str]:
-    """Delete the data folders in ``parent`` that no link names (:func:`unlinked_data`).
-    Returns their names."""
-    removed = unlinked_data(parent)
-    for name in removed:
-        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-    return removed
+        return False
+    if any(os.path.islink(os.path.join(parent, n)) and os.readlink(os.path.join(parent, n)) == name for n in names):
+        return False
+    shutil.rmtree(full, ignore_errors=True)
+    return True
 
 
 def _dcp_errors() -> tuple:
@@ -172,15 +184,28 @@ def _dcp_errors() -> tuple:
 DCP_ERRORS = _dcp_errors()
 
 
-def _dcp_error(exc: BaseException) -> str:
+def _dcp_error(exc: BaseException, folder: str | None = None) -> str:
     """DCP's error in one line: the first failing rank and what it raised (DCP's own
-    message carries every rank's traceback)."""
+    message carries every rank's traceback); ``folder``: the one being written, whose
+    free space tells a full disk from another short write."""
     failures_ = getattr(exc, "failures", None)
     if isinstance(failures_, dict) and failures_:
         rank, failure = sorted(failures_.items())[0]
         inner = failure[0] if isinstance(failure, tuple) else failure
-        return f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else inner}"
-    return one_line(exc)
+        return f"rank {rank}: {_why(inner, folder) if isinstance(inner, BaseException) else inner}"
+    return _why(exc, folder)
+
+
+def _why(exc: BaseException, folder: str | None) -> str:
+    """One exception in one line; a full disk said so (:func:`mpfp16.serialization.write_failure`),
+    and the file an OSError names, named."""
+    why = write_failure(exc, folder) if folder is not None and isinstance(exc, Exception) else None
+    if why is None:
+        why = one_line(exc)
+    name = getattr(exc, "filename", None)
+    if isinstance(exc, OSError) and name:
+        why = f"{why}: {name}"
+    return why
 
 
 def _agree(error: str | None) -> None:
@@ -193,6 +218,7 @@ def _finish(path: str, tmp: str, final: str, skeleton: dict) -> None:
     What the failed attempt made is removed; the link still names the previous
     checkpoint until the swap."""
     meta = {"format": FORMAT, "state": skeleton, "world_size": get_world_size()}
+    previous = data_folder(path)
     try:
         with open(os.path.join(tmp, META), "wb") as f:
             torch.save(meta, f)
@@ -202,20 +228,24 @@ def _finish(path: str, tmp: str, final: str, skeleton: dict) -> None:
         os.rename(tmp, final)
         fsync_dir(os.path.dirname(final))
         link(path, final)
-    except BaseException:
+    except BaseException as exc:
+        why = write_failure(exc, tmp if os.path.isdir(tmp) else final) if isinstance(exc, Exception) else None
         if os.path.isdir(final) and os.path.realpath(path) != os.path.realpath(final):
             shutil.rmtree(final, ignore_errors=True)
+        if why is not None:
+            raise OSError(why) from None
         raise
-    remove_unreferenced(os.path.dirname(final))
+    remove_if_unlinked(os.path.dirname(final), previous)  # the checkpoint this save replaced
 
 
-def save(path: str, state: dict, tag: str = "") -> str:
+def save(path: str, state: dict, tag: str = "", checksum: bool = True) -> str:
     """Write ``state`` as a sharded checkpoint named by the link ``path``; a collective:
     every rank calls it with its own shards. Returns the data folder.
 
     ``state`` holds nested dicts and lists of DTensors (sharded along dim 0, as
     :func:`mpfp16.distributed.shard` makes them), plain tensors and plain values;
-    everything but the DTensors is rank 0's.
+    everything but the DTensors is rank 0's. The checksums of every tensor go with it
+    (:mod:`.integrity`; ``checksum=False``: none, to measure what they cost).
 
     Raises:
         CheckpointError: one line, the same on every rank, whatever failed on any rank
@@ -225,6 +255,9 @@ def save(path: str, state: dict, tag: str = "") -> str:
     import torch.distributed.checkpoint as dcp
 
     parent = os.path.dirname(os.path.abspath(path))
+    state = {k: v for k, v in state.items() if k != integrity.KEY}
+    if checksum:  # a collective: each rank sums its own shards
+        state[integrity.KEY] = integrity.checksums(state)
     dtensors: dict = {}
     skeleton = _split(state, "", dtensors)
     stamp = broadcast_object(f"{DATA_PREFIX}{tag + '-' if tag else ''}{secrets.token_hex(4)}")
@@ -242,7 +275,7 @@ def save(path: str, state: dict, tag: str = "") -> str:
         try:
             dcp.save(dtensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
         except DCP_ERRORS as exc:  # a full disk on one rank: DCP tells every rank
-            error = f"cannot write checkpoint {path}: {_dcp_error(exc)}"
+            error = f"cannot write checkpoint {path}: {_dcp_error(exc, tmp)}"
         _agree(error)
         if main:
             try:
@@ -257,6 +290,10 @@ def save(path: str, state: dict, tag: str = "") -> str:
 
 
 # ------------------------------------------------------------------ loading
+
+
+class _Refused(pickle.UnpicklingError):
+    """``.metadata`` names a class that is not one of DCP's metadata records."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -274,7 +311,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _Refused(f"{module}.{name}")
 
 
 def _check_metadata(path: str, markers: dict):
@@ -288,11 +325,12 @@ def _check_metadata(path: str, markers: dict):
             metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} is incomplete: no .metadata") from None
-    except pickle.UnpicklingError as exc:
+    except _Refused as exc:
         raise CheckpointError(f"refusing to load {path}: its .metadata holds a pickled Python object ({exc}) that is "
                               "not DCP metadata") from None
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {path}: .metadata is corrupt: {one_line(exc)}") from None
+    except Exception as exc:  # cut short (EOFError, "pickle data was truncated") or garbage
+        raise CheckpointError(f"checkpoint {path} is corrupt: its .metadata is truncated or damaged "
+                              f"({one_line(exc)})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CheckpointError(f"checkpoint {path}: .metadata is not DCP metadata")
     entries = metadata.state_dict_metadata
@@ -307,7 +345,34 @@ def _check_metadata(path: str, markers: dict):
         if list(md.size) != list(marker["shape"]) or str(md.properties.dtype) != f"torch.{marker['dtype']}":
             raise CheckpointError(f"checkpoint {path}: {key} is {list(md.size)} {md.properties.dtype} in .metadata "
                                   f"and {marker['shape']} {marker['dtype']} in meta.pt")
+    for name in sorted(_data_files(metadata)):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise CheckpointError(f"checkpoint {path} is incomplete: its shard file {name}, which .metadata lists, "
+                                  "is missing")
     return metadata
+
+
+def _data_files(metadata, fqn: str | None = None) -> set[str]:
+    """The shard files (``__0_0.distcp``...) that ``.metadata`` says hold data: all, or
+    those holding the tensor ``fqn``."""
+    storage = getattr(metadata, "storage_data", None) or {}
+    return {info.relative_path for index, info in storage.items()
+            if getattr(info, "relative_path", None) and (fqn is None or getattr(index, "fqn", None) == fqn)}
+
+
+def _verify(path: str, state: dict, metadata) -> str | None:
+    """The line that says which tensor of ``state`` (as read) does not match the
+    checksums saved with it, naming the files that hold it; None when all match or
+    the checkpoint carries none. A collective when ``state`` holds DTensors."""
+    saved = state.get(integrity.KEY)
+    if saved is None:
+        return None
+
+    def files(where: tuple) -> list[str]:
+        held = sorted(_data_files(metadata, "".join(f"/{k}" for k in where)))
+        return held or [META]
+
+    return integrity.mismatch(integrity.checksums(state), saved, path, files)
 
 
 def _reader(path: str, metadata):
@@ -350,7 +415,7 @@ def inspect(path: str) -> dict:
     return meta
 
 
-def load(path: str, targets: dict | None = None, mesh=None) -> dict:
+def load(path: str, targets: dict | None = None, mesh=None, verify: bool = True) -> dict:
     """Read the checkpoint ``path`` (a collective). Returns its state: DTensors of this
     run's sharding where it saved DTensors, and rank 0's plain values.
 
@@ -360,11 +425,15 @@ def load(path: str, targets: dict | None = None, mesh=None) -> dict:
             parameters receive the saved values). Other sharded tensors are made new,
             sharded along dim 0 over ``mesh``.
         mesh: the device mesh for new DTensors; default that of the first target.
+        verify: check the tensors read against the checksums saved with them
+            (a checkpoint written before them has none: nothing to check).
 
     Raises:
-        CheckpointError: one line, on every rank: the folder is missing or incomplete,
-            ``meta.pt`` is not a checkpoint, ``.metadata`` holds anything but DCP's
-            records of tensors, or the tensors do not fit.
+        CheckpointError: one line, on every rank: the folder is missing or incomplete
+            (a shard file missing: named), ``meta.pt`` is not a checkpoint,
+            ``.metadata`` is truncated or holds anything but DCP's records of tensors,
+            the tensors do not fit, or one does not match its checksum (named, with
+            the files that hold it).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Shard
@@ -403,10 +472,13 @@ def load(path: str, targets: dict | None = None, mesh=None) -> dict:
     except DCP_ERRORS as exc:
         error = f"checkpoint {path} does not load: {_dcp_error(exc)}"
     _agree(error)
-    return _join(meta["state"], buffers)
+    state = _join(meta["state"], buffers)
+    if verify:
+        _agree(_verify(path, state, metadata))  # every rank sums its own shards; one all-gather
+    return state
 
 
-def load_whole(path: str) -> dict:
+def load_whole(path: str, verify: bool = True) -> dict:
     """Read the checkpoint ``path`` whole, into plain CPU tensors of the saved shapes:
     for a run that is not sharded, on any number of ranks, with or without a process
     group. Each rank reads on its own (no collective), so a caller on several ranks
@@ -428,4 +500,8 @@ def load_whole(path: str) -> dict:
             dcp.load(buffers, storage_reader=_reader(path, metadata), no_dist=True)
     except DCP_ERRORS as exc:
         raise CheckpointError(f"checkpoint {path} does not load: {_dcp_error(exc)}") from None
-    return _join(meta["state"], buffers)
+    state = _join(meta["state"], buffers)
+    error = _verify(path, state, metadata) if verify else None
+    if error is not None:
+        raise CheckpointError(error)
+    return state

@@ -4,8 +4,10 @@ A checkpoint is a dict of tensors and plain Python values, so ``weights_only=Tru
 can read it and a checkpoint file can never run code. Writing goes to a temporary
 file in the same folder, which is flushed and fsync'ed and then renamed over the
 target: a crash at any moment leaves either the old checkpoint or the new one,
-never a torn file. (:mod:`mpfp16.checkpoint` chooses this format for a model that is
-not sharded, and reads it into either layout.)
+never a torn file; a full disk is one line that says so, and the earlier file stays.
+Every file carries the checksums of its tensors (:mod:`.integrity`), which
+:func:`load` verifies. (:mod:`mpfp16.checkpoint` chooses this format for a model
+that is not sharded, and reads it into either layout.)
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import tempfile
 import torch
 
 from ..errors import CheckpointError, one_line
-from ..serialization import fsync_dir, load_weights_only
+from ..serialization import fsync_dir, load_weights_only, write_failure
+from . import integrity
 
 __all__ = ["save_atomic", "copy_atomic", "load", "digest", "is_unfinished"]
 
@@ -37,12 +40,15 @@ def _write_atomic(path: str, write) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
+        # Why, before the partial file goes: torch words a full disk "unexpected pos", and
+        # only the free space left then tells (mpfp16.serialization.write_failure).
+        why = write_failure(exc, tmp) if isinstance(exc, Exception) else None
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        if isinstance(exc, OSError):
-            raise CheckpointError(f"cannot write checkpoint {path}: {one_line(exc)}") from None
+        if why is not None:
+            raise CheckpointError(f"cannot write checkpoint {path}: {why}") from None
         raise
     fsync_dir(folder)
 
@@ -57,8 +63,17 @@ def is_unfinished(name: str) -> bool:
     return name.startswith(".") and name.endswith(_TMP_SUFFIX) and ".pt." in name
 
 
-def save_atomic(obj: dict, path: str) -> None:
-    """``torch.save(obj, path)``, atomically (module docstring)."""
+def save_atomic(obj: dict, path: str, checksum: bool = True) -> None:
+    """``torch.save(obj, path)``, atomically (module docstring), with the checksums of
+    ``obj``'s tensors under ``"checksums"`` (:mod:`.integrity`; one it had is replaced).
+    ``checksum=False`` writes none (to measure what they cost).
+
+    Raises:
+        CheckpointError: the file cannot be written (a full disk: "No space left on
+            device"); what was at ``path`` is untouched.
+    """
+    if checksum:
+        obj = {**{k: v for k, v in obj.items() if k != integrity.KEY}, integrity.KEY: integrity.checksums(obj)}
     _write_atomic(path, lambda f: torch.save(obj, f))
 
 
@@ -68,18 +83,23 @@ def copy_atomic(src: str, dst: str) -> None:
         _write_atomic(dst, lambda f: shutil.copyfileobj(source, f, 1 << 20))
 
 
-def load(path: str, map_location="cpu") -> dict:
+def load(path: str, map_location="cpu", verify: bool = True) -> dict:
     """Read a checkpoint with ``torch.load(weights_only=True)``
-    (:func:`mpfp16.serialization.load_weights_only`).
+    (:func:`mpfp16.serialization.load_weights_only`) and verify the checksums it
+    carries (a file written before them carries none: nothing to verify).
 
     Raises:
         CheckpointError: the file is missing, truncated or corrupt, holds pickled
-            Python objects (refused, never executed), or is not a dict.
+            Python objects (refused, never executed), is not a dict, or a tensor
+            does not match its checksum (the line names it).
     """
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} is a folder: pass a checkpoint file such as "
                               f"{os.path.join(path, 'last.pt')}, or --resume auto with --checkpoint-dir {path}")
-    return load_weights_only(path, map_location)
+    state = load_weights_only(path, map_location)
+    if verify:
+        integrity.verify(state, state.get(integrity.KEY), path)
+    return state
 
 
 def digest(path: str) -> str:

@@ -7,7 +7,6 @@ calls them in order.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ from .config import SYNTHETIC_SIZES, TORCH_DTYPES, TrainConfig
 from .schedule import lr_multiplier
 
 __all__ = ["Data", "Schedule", "init_distributed", "image_size", "check_model_fits", "data", "model",
-           "param_groups", "optimizer", "wrap", "schedule"]
+           "param_groups", "optimizer", "wrap", "schedule", "beyond_the_schedule"]
 
 logger = logging.getLogger("mpfp16")
 
@@ -68,6 +67,9 @@ def data(cfg: TrainConfig, info: mdist.DistInfo) -> Data:
         spec = data_mod.imagenet_data(cfg.data, image_size(cfg, 0), cfg.seed, cfg.bad_images,
                                       cfg.synthetic_size or SYNTHETIC_SIZES[cfg.task])
     logger.info("data: %s", spec.description)
+    warning = data_mod.single_class_warning(spec)
+    if warning and info.is_main_process:  # once, not on every rank
+        logger.warning("%s", warning)
     shape = (1, 3, 1, 1)
     return Data(spec=spec,
                 train_sampler=data_mod.ResumableDistributedSampler(spec.train, info.world_size, info.rank,
@@ -159,14 +161,16 @@ def wrap(cfg: TrainConfig, net: nn.Module, info: mdist.DistInfo) -> nn.Module:
 class Schedule:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     steps_per_epoch: int
-    total_steps: int  # where the run stops: --max-steps, else the end of the schedule
-    epochs_shown: int  # the epochs the progress shows: --epochs, or more when --max-steps goes beyond
+    total_steps: int  # where the run stops: the end of the schedule (--epochs), or --max-steps before it
+    max_steps: int | None  # --max-steps where it stops the run before --epochs does, else None
+    epochs_shown: int  # --epochs
 
 
 def schedule(cfg: TrainConfig, opt: FP16Optimizer, train_samples: int) -> Schedule:
     """The learning-rate schedule, over ``--epochs``; ``--max-steps`` only says where to
     stop, so that a run stopped early and resumed follows the same schedule as one that
-    was not.
+    was not. It only shortens a run: one beyond the schedule's end is said in one line,
+    and the run ends at ``--epochs`` (it went on at lr 0 before).
 
     Raises:
         UserError: an epoch has no full optimizer step.
@@ -178,8 +182,26 @@ def schedule(cfg: TrainConfig, opt: FP16Optimizer, train_samples: int) -> Schedu
             f"for a batch of {cfg.batch_size} x {cfg.accum_steps} accumulation steps; lower -b or --accum-steps"
         )
     schedule_steps = cfg.epochs * steps_per_epoch
-    total_steps = cfg.max_steps if cfg.max_steps is not None else schedule_steps
+    total_steps = min(cfg.max_steps, schedule_steps) if cfg.max_steps is not None else schedule_steps
+    line = beyond_the_schedule(cfg.max_steps, cfg.epochs, schedule_steps)
+    if line:
+        logger.info("%s", line)
     warmup = round(cfg.warmup_epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_multiplier(s, schedule_steps, warmup, cfg.lr_schedule))
-    return Schedule(scheduler, steps_per_epoch, total_steps, max(cfg.epochs, math.ceil(total_steps / steps_per_epoch)))
+    max_steps = cfg.max_steps if cfg.max_steps is not None and cfg.max_steps < schedule_steps else None
+    return Schedule(scheduler, steps_per_epoch, total_steps, max_steps, cfg.epochs)
+
+
+def beyond_the_schedule(max_steps: int | None, epochs: int, schedule_steps: int) -> str | None:
+    """The line that says a ``--max-steps`` beyond the end of the schedule is not
+    reached, or None.
+
+    Not a refusal: ``--max-steps`` is a cap that stops a run early (a budget, the same
+    over runs of different lengths, and free to change on resume), and a cap the run
+    does not reach changes nothing it asked for: the schedule and the run end at
+    ``--epochs``. Training on past it, at lr 0, was the silent divergence."""
+    if max_steps is None or max_steps <= schedule_steps:
+        return None
+    return (f"--max-steps {max_steps} is beyond the end of the schedule: the run ends with --epochs {epochs}, at "
+            f"step {schedule_steps} (--max-steps only shortens a run; raise --epochs to train longer)")

@@ -12,7 +12,10 @@ layout), so ``--shard`` may change on resume. The decisions (which checkpoint
 from __future__ import annotations
 
 import logging
+import numbers
 import os
+
+import torch
 
 from .. import checkpoint
 from .. import distributed as mdist
@@ -20,9 +23,76 @@ from ..errors import CheckpointError, UserError, one_line
 from . import resume as decide
 from . import rundir
 
-__all__ = ["RunCheckpoints"]
+__all__ = ["RunCheckpoints", "TRAINING_STATE", "check_training_state"]
 
 logger = logging.getLogger("mpfp16")
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _rng(value) -> bool:
+    """Every rank's :func:`mpfp16.checkpoint.rng_state`: torch's state (a uint8 tensor)
+    and Python's (version, internal state, gauss)."""
+    def one(state) -> bool:
+        if not isinstance(state, dict) or not (torch.is_tensor(state.get("torch"))
+                                               and state["torch"].dtype == torch.uint8):
+            return False
+        py = state.get("python")
+        return (isinstance(py, (tuple, list)) and len(py) == 3 and isinstance(py[0], int)
+                and isinstance(py[1], (tuple, list)) and all(isinstance(x, int) for x in py[1])
+                and (py[2] is None or _number(py[2])))
+    return isinstance(value, list) and len(value) > 0 and all(one(s) for s in value)
+
+
+def _scheduler(value) -> bool:
+    """A ``LambdaLR`` state_dict: its step count and base learning rates."""
+    return (isinstance(value, dict) and isinstance(value.get("last_epoch"), int)
+            and isinstance(value.get("base_lrs"), list) and all(_number(x) for x in value["base_lrs"]))
+
+
+# The training checkpoint (:meth:`RunCheckpoints.state`), field by field: (required, is it
+# right, what it must be). "format", "model" and "optimizer" are mpfp16.checkpoint.read's.
+TRAINING_STATE = {
+    "scheduler": (True, _scheduler, "a learning-rate scheduler's state (a dict with last_epoch and base_lrs)"),
+    "step": (True, _integer, "an integer >= 0"),
+    "epoch": (True, _integer, "an integer >= 0"),
+    "batches_done": (True, _integer, "an integer >= 0"),
+    "samples_done": (False, _integer, "an integer >= 0"),
+    "best_acc1": (True, _number, "a number"),
+    "best_epoch": (True, lambda v: v is None or _integer(v), "an integer or None"),
+    "rng": (True, _rng, "a list of every rank's random number generator states"),
+    "elapsed": (False, _number, "a number of seconds"),
+    "config": (False, lambda v: isinstance(v, dict), "a dict of the run's settings"),
+    "run": (False, lambda v: isinstance(v, dict), "a dict of the run's facts"),
+    "comm": (False, lambda v: isinstance(v, list), "a list of every rank's communication hook state"),
+}
+
+
+def check_training_state(state: dict, where: str) -> None:
+    """Raise one line naming ``where`` (the file) and the first field of
+    :data:`TRAINING_STATE` that ``state`` lacks or holds of the wrong type: a
+    hand-edited checkpoint is refused before any of it is loaded.
+
+    Raises:
+        CheckpointError: the same on every rank (it decides from the state alone).
+    """
+    for field, (required, right, what) in TRAINING_STATE.items():
+        if field not in state:
+            if required:
+                raise CheckpointError(f"checkpoint {where} is not a complete training checkpoint: it has no "
+                                      f"{field!r} (it must be {what})")
+            continue
+        value = state[field]
+        if not right(value):
+            shown = repr(value) if isinstance(value, (str, int, float, type(None))) else type(value).__name__
+            raise CheckpointError(f"checkpoint {where} is damaged: its {field!r} is {shown[:60]}, and it must be "
+                                  f"{what}")
 
 
 class RunCheckpoints:
@@ -30,7 +100,7 @@ class RunCheckpoints:
 
     The methods that take a ``trainer`` (a :class:`mpfp16.train.engine.Trainer`) read
     or set its model, optimizer, scheduler, position (``step``, ``epoch``,
-    ``batches_done``), best accuracy and elapsed time. Every rank calls every method.
+    ``samples_done``), best accuracy and elapsed time. Every rank calls every method.
     """
 
     def __init__(self, cfg, model) -> None:
@@ -58,6 +128,7 @@ class RunCheckpoints:
             "step": trainer.step,
             "epoch": trainer.epoch,
             "batches_done": trainer.batches_done,
+            "samples_done": trainer.samples_done,  # the position over all ranks: the same for any world size
             "best_acc1": trainer.best_acc1,
             "best_epoch": trainer.best_epoch,
             "rng": rng,
@@ -70,9 +141,10 @@ class RunCheckpoints:
 
     def save(self, trainer, best: bool = False) -> None:
         """Write DIR/last (and DIR/best), after checking that the ranks hold the same
-        state; then the same run's checkpoints of the other format, now superseded, go
+        state (and that no metrics write failed); then the same run's checkpoints of the other format, now superseded, go
         (a run resumed with or without ``--shard``), so that the folder never holds two
         "last" checkpoints that disagree."""
+        trainer.metrics.check()  # a metrics write that failed on rank 0 (a full disk) stops every rank here
         trainer.check_replicas()  # never save a state the ranks do not share
         self.format.save(self.last_path, self.state(trainer), tag=f"step{trainer.step}")
         if best:
@@ -124,6 +196,8 @@ class RunCheckpoints:
         changes: list = []
 
         def judge(saved: dict) -> None:  # before the checkpoint is converted to this run's layout
+            fmt = checkpoint.format_of(path)
+            check_training_state(saved, os.path.join(path, checkpoint.dcp.META) if fmt is checkpoint.DCP else path)
             if cfg.evaluate:
                 return
             changes.extend(decide.changed_settings(cfg, saved.get("config"), saved.get("run"), trainer.run_facts(),
@@ -159,7 +233,7 @@ class RunCheckpoints:
             raise CheckpointError(f"checkpoint {path}: optimizer state does not fit: {exc}") from None
         trainer.sched.load_state_dict(ckpt["scheduler"])
         trainer.step, trainer.epoch = int(ckpt["step"]), int(ckpt["epoch"])
-        trainer.batches_done = int(ckpt["batches_done"])
+        trainer.samples_done = decide.samples_done(ckpt, cfg.batch_size)
         trainer.best_acc1, trainer.best_epoch = float(ckpt["best_acc1"]), ckpt["best_epoch"]
         trainer.elapsed_before = float(ckpt.get("elapsed", 0.0))
         rngs = ckpt["rng"]
@@ -190,7 +264,9 @@ class RunCheckpoints:
 
     def _apply_changed_settings(self, trainer, saved_cfg: dict, fresh_groups: list[dict]) -> None:
         """With --allow-changed-config: the new optimizer settings and lr replace the
-        saved ones, and the position in the epoch is kept in samples, not batches."""
+        saved ones. The position needs no conversion: it is in samples of the epoch's
+        order over all ranks (:func:`mpfp16.train.resume.samples_done`), the same for
+        any batch, accumulation and number of processes."""
         opt, sched = trainer.opt, trainer.sched
         for group, fresh in zip(opt.param_groups, fresh_groups):
             group.update({k: v for k, v in fresh.items() if k != "lr"})
@@ -198,6 +274,3 @@ class RunCheckpoints:
         for i, group in enumerate(opt.param_groups):
             group["lr"] = sched.base_lrs[i] * sched.lr_lambdas[i](sched.last_epoch)
         sched._last_lr = [g["lr"] for g in opt.param_groups]
-        trainer.batches_done = decide.batches_done_after_change(
-            trainer.batches_done, saved_cfg.get("batch_size", self.cfg.batch_size), self.cfg.batch_size,
-            self.cfg.accum_steps)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..parallel.hooks import STRATEGIES
 from ..parallel.setup import MAX_TIMEOUT_S
-from ..errors import FusedStepUnavailable, ReplicaDivergenceError, UserError, one_line
+from ..errors import FusedStepUnavailable, ReplicaDivergenceError, UserError, escape_breaks, one_line
 from ..rounding import ROUNDINGS
 from ..scaler import LossScaleStuckError
 from .config import (BAD_IMAGE_POLICIES, FUSED_CHOICES, OPTIMIZERS, PRECISIONS, SYNTHETIC_SIZES, WIRE_DTYPES,
@@ -77,15 +77,14 @@ _non_negative_float = _float_in(0.0, float("inf"))
 
 
 def _loss_scale(text: str):
+    """'dynamic' or a number; which numbers make a loss scale is the library's rule
+    (:func:`mpfp16.scaler.check_loss_scale`, called by TrainConfig.validate)."""
     if text == "dynamic":
         return text
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be 'dynamic' or a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be 'dynamic' or a positive number, got {text!r}")
-    return value
 
 
 def _resize_phases(text: str) -> list[tuple[int, int]]:
@@ -149,7 +148,8 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=_positive_int, help="epochs; the lr schedule spans them" + default("epochs"))
     g.add_argument("--max-steps", type=_int_at_least(1, MAX_STEPS),
-                   help=f"stop after N optimizer steps, whatever --epochs says; at most {MAX_STEPS:,}"
+                   help=f"stop after N optimizer steps, before --epochs ends the run (it only shortens a run); at most "
+                        f"{MAX_STEPS:,}"
                         + default("max_steps", "none"))
     g.add_argument("-b", "--batch-size", type=_positive_int,
                    help="images per process per micro-batch" + default("batch_size"))
@@ -248,7 +248,7 @@ def config_from_args(task: str, args: argparse.Namespace, parser: argparse.Argum
     try:
         return TrainConfig(task=task, **vars(args)).validate()
     except ConfigError as exc:
-        parser.error(str(exc))
+        parser.error(one_line(exc))
 
 
 # How gloo and NCCL word a lost or silent peer in the RuntimeErrors they raise
@@ -280,7 +280,7 @@ def _train_and_report(train, cfg: TrainConfig) -> int:
         return 1
     except Stopped as exc:
         if exc.announce:
-            print(exc, file=sys.stderr)
+            print(escape_breaks(str(exc)), file=sys.stderr)
         return exc.exit_status
     except KeyboardInterrupt:  # before the handlers of mpfp16/train/preemption.py were installed
         print("interrupted", file=sys.stderr)

@@ -14,7 +14,6 @@ and worded as flags (:func:`say`): the config cannot accept what the library ref
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -23,9 +22,11 @@ from .. import optimizer as optimizer_rules
 from ..errors import UserError, library_words
 from ..parallel import ddp as ddp_rules
 from ..parallel import fsdp as fsdp_rules
+from ..parallel import setup as setup_rules
 from ..parallel.hooks import STRATEGIES
 from ..parallel.setup import DEFAULT_TIMEOUT_S
 from ..rounding import ROUNDINGS
+from ..scaler import check_loss_scale
 from .schedule import SCHEDULES
 
 __all__ = ["TrainConfig", "ConfigError", "FREE_ON_RESUME", "TASK_DEFAULTS", "DATA_DEFAULTS", "SYNTHETIC_SIZES",
@@ -165,9 +166,6 @@ class TrainConfig:
         if self.allreduce_dtype not in (None,) + WIRE_DTYPES:
             raise ConfigError(f"unknown --allreduce-dtype {self.allreduce_dtype!r}; choose one of "
                               f"{', '.join(WIRE_DTYPES)}")
-        if self.loss_scale != "dynamic" and not (
-                isinstance(self.loss_scale, (int, float)) and math.isfinite(self.loss_scale) and self.loss_scale > 0):
-            raise ConfigError(f"--loss-scale must be 'dynamic' or a positive number, got {self.loss_scale!r}")
         if self.precision != "fp16" and self.loss_scale != "dynamic":
             raise ConfigError(f"--loss-scale applies to fp16 only, not --precision {self.precision}")
         if self.shard:
@@ -188,10 +186,17 @@ class TrainConfig:
         return self
 
     def _check_library_rules(self) -> None:
-        """The library's own rules, on the options the engine will pass it: the
-        optimizer's, and DDP's (several processes) or FSDP2's (``--shard``)."""
+        """The library's own rules, on the options the engine will pass it: the loss
+        scale's, the process set-up's (device, backend, timeout, on this machine, so that
+        ``--device cuda`` without a GPU or ``--dist-backend nccl`` on the CPU is refused
+        before any data is loaded), the optimizer's, and DDP's (several processes) or
+        FSDP2's (``--shard``)."""
         compute, wire = TORCH_DTYPES[self.precision], TORCH_DTYPES.get(self.allreduce_dtype)
         try:
+            if self.loss_scale != "dynamic":
+                check_loss_scale(self.loss_scale, "loss_scale", say=say)
+            setup_rules.check_options(backend=self.dist_backend, timeout_s=self.dist_timeout, device=self.device,
+                                      say=say)
             optimizer_rules.check_options(master_weights=self.master_weights, rounding=self.rounding,
                                           max_grad_norm=self.max_grad_norm, fused=self.fused_option,
                                           sharded=self.shard, say=say)
@@ -232,7 +237,8 @@ def _flag(name: str) -> str:
 
 
 # The library's option names that are spelled otherwise as flags.
-_FLAGS = {"strategy": "--allreduce-strategy", "param_dtype": "--precision", "reduce_dtype": "--allreduce-dtype"}
+_FLAGS = {"strategy": "--allreduce-strategy", "param_dtype": "--precision", "reduce_dtype": "--allreduce-dtype",
+          "backend": "--dist-backend", "timeout_s": "--dist-timeout"}
 _DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 
@@ -240,7 +246,8 @@ def say(name: str, value) -> str:
     """A library option as the flag that sets it: the ``say`` of the library's
     validators (:func:`mpfp16.errors.library_words`), so that their refusals name
     flags (``say("master_weights", False) -> "--no-master-weights"``,
-    ``say("fused", True) -> "--fused on"``, ``say("rounding", "kahan") -> "--rounding kahan"``)."""
+    ``say("fused", True) -> "--fused on"``, ``say("rounding", "kahan") -> "--rounding kahan"``,
+    ``say("backend", "nccl") -> "--dist-backend nccl"``, ``say("loss_scale", 1e39) -> "--loss-scale 1e+39"``)."""
     if name == "master_weights":
         return "--no-master-weights" if not value else "fp32 master weights"
     if name == "fused":

@@ -22,14 +22,15 @@ from dataclasses import dataclass
 import torch
 import torchvision
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
 from ..errors import DataError, one_line
 from .config import BAD_IMAGE_POLICIES
 
 __all__ = ["DataSpec", "synthetic_images", "load_cifar10", "ImageFolderSplit", "InMemoryImages",
-           "ResumableDistributedSampler", "ShardSampler", "make_loader", "cifar_data", "imagenet_data"]
+           "ResumableDistributedSampler", "ShardSampler", "make_loader", "cifar_data", "imagenet_data",
+           "check_no_link_loop", "single_class_warning"]
 
 logger = logging.getLogger("mpfp16")
 
@@ -182,6 +183,53 @@ class InMemoryImages(Dataset):
         return image, self.labels[index]
 
 
+def check_no_link_loop(folder: str) -> None:
+    """Refuse a link under ``folder`` that leads to a folder the walk reaches anyway:
+    one that holds the link (``train/cat/loop -> ..``), or one found elsewhere in the
+    split. ImageFolder follows links, and would count those images again: round a loop
+    until the path grows too long (48 images became 2,928), or twice.
+
+    Raises:
+        DataError: one line naming the link and the folder it leads to.
+    """
+    seen: dict[str, str] = {}
+    for here, _, _ in os.walk(folder, followlinks=True):
+        real = os.path.realpath(here)
+        if real not in seen:
+            seen[real] = here
+            continue
+        first = seen[real]
+        link = _first_link(here, folder) or _first_link(first, folder) or here
+        if here.startswith(first.rstrip(os.sep) + os.sep):
+            raise DataError(f"{link} is a link to {os.path.realpath(link)}, and following it leads back to {first}: "
+                            "a loop, which would count its images again at every turn; remove the link")
+        raise DataError(f"{link} is a link to {os.path.realpath(link)}, which {folder} holds already "
+                        f"({first if link != first else here}): its images would count twice; remove the link")
+
+
+def _first_link(path: str, root: str) -> str | None:
+    """The outermost link on the way from ``root`` down to ``path``, or None."""
+    walked = root
+    for part in os.path.relpath(path, root).split(os.sep):
+        walked = os.path.join(walked, part)
+        if part not in (".", "") and os.path.islink(walked):
+            return walked
+    return None
+
+
+def single_class_warning(spec: DataSpec) -> str | None:
+    """The warning for a data set of one class, or None: every prediction is then
+    right, and the run reports 100% accuracy whatever it learned."""
+    if spec.num_classes != 1:
+        return None
+    classes = getattr(spec.train, "classes", None)
+    name = f"class folder {classes[0]!r}" if classes else "class"
+    folder = getattr(spec.train, "folder", None)
+    split = f"training split {folder}" if folder else "training split"
+    return (f"the {split} holds a single {name}: every prediction is right and accuracy will read 100% whatever "
+            "the model learns; a classifier needs two classes or more")
+
+
 class ImageFolderSplit(Dataset):
     """One split (``train/`` or ``val/``) of an ImageFolder root, decoded with Pillow
     into uint8 tensors.
@@ -197,12 +245,14 @@ class ImageFolderSplit(Dataset):
             raise ValueError(f"bad_images must be one of {BAD_IMAGE_POLICIES}")
         if not os.path.isdir(folder):
             raise DataError(f"{folder} is not a folder (an ImageFolder root needs train/ and val/)")
+        check_no_link_loop(folder)  # torchvision follows links: a loop would count its images again at every turn
         try:
             index = torchvision.datasets.ImageFolder(folder, loader=lambda p: p)
         except (FileNotFoundError, RuntimeError) as exc:
             raise DataError(f"{folder}: {one_line(exc)}") from None
         if class_to_idx is not None and index.class_to_idx != class_to_idx:
             raise DataError(f"{folder} has other class folders than the training split")
+        self.folder = folder
         self.samples = index.samples
         self.classes = index.classes
         self.class_to_idx = index.class_to_idx
@@ -258,28 +308,49 @@ class ImageFolderSplit(Dataset):
 # ----------------------------------------------------------------- samplers
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that yields ``(epoch, index)`` keys and can start mid-epoch.
+class ResumableDistributedSampler(Sampler):
+    """This process's share of an epoch's sample order, from any point of it; it yields
+    ``(epoch, index)`` keys.
 
-    ``set_epoch(epoch, start)`` reshuffles as DistributedSampler does (the order
-    depends only on seed and epoch) and skips this rank's first ``start`` samples.
+    The order is one permutation of the data set, drawn from seed and epoch alone, as
+    ``DistributedSampler`` draws it, so it is the same for any number of processes.
+    ``set_epoch(epoch, start)`` skips its first ``start`` samples, counted over all
+    processes; of the rest, rank r takes samples r, r + world, r + 2 world, ... and
+    every rank the same number of them (the last ``< world`` are dropped). The ranks'
+    next batches are thus always the next samples of the one order: after any number
+    of steps, of any batch size, on any number of processes, the samples trained are
+    exactly its first ``start`` (:func:`mpfp16.train.resume.samples_done`), and a run
+    resumed with another world size or batch continues it without repeating or
+    skipping one. With ``start`` 0 it yields what ``DistributedSampler(drop_last=True)``
+    yields.
     """
 
     def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.start = 0
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not one of {num_replicas} processes")
+        self.size, self.num_replicas, self.rank = len(dataset), num_replicas, rank
+        self.shuffle, self.seed = shuffle, seed
+        self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        super().set_epoch(epoch)
-        self.start = start
+        """Reshuffle for ``epoch`` and begin after its first ``start`` samples (all ranks')."""
+        self.epoch, self.start = epoch, start
+
+    def order(self) -> list[int]:
+        """The epoch's sample order, the same on every rank and for every world size."""
+        if not self.shuffle:
+            return list(range(self.size))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)  # as DistributedSampler seeds it
+        return torch.randperm(self.size, generator=g).tolist()
 
     def __iter__(self):
-        for position, index in enumerate(super().__iter__()):
-            if position >= self.start:
-                yield self.epoch, index
+        rest = self.order()[self.start:]
+        for index in rest[self.rank: len(self) * self.num_replicas: self.num_replicas]:
+            yield self.epoch, index
 
     def __len__(self) -> int:
-        return max(0, self.num_samples - self.start)
+        return max(0, self.size - self.start) // self.num_replicas
 
 
 class ShardSampler(Sampler):

@@ -4,7 +4,9 @@
 
 One optimizer step is ``accum_steps`` micro-batches; the allreduce runs only on the
 last of them. ``step`` counts optimizer steps, skipped ones included; ``--max-steps``,
-``--save-every`` and the learning-rate schedule are in those units.
+``--save-every`` and the learning-rate schedule are in those units. The position in the
+epoch, ``samples_done``, counts samples of the epoch's one order over all ranks, so that
+it means the same for any number of processes, batch and accumulation.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tqdm import tqdm
 
 from .. import distributed as mdist
 from . import build, rundir
+from . import resume as decide
 from . import data as data_mod
 from .checkpointing import RunCheckpoints
 from .config import TrainConfig
@@ -68,15 +71,40 @@ class Trainer:
         schedule = build.schedule(cfg, self.opt, len(self.data.train_sampler))
         self.sched, self.steps_per_epoch = schedule.scheduler, schedule.steps_per_epoch
         self.total_steps, self.epochs_shown = schedule.total_steps, schedule.epochs_shown
+        self.max_steps = schedule.max_steps
         self.step = 0
         self.epoch = 0
-        self.batches_done = 0  # micro-batches of the current epoch already trained on
+        self.samples_done = 0  # of the current epoch's sample order, over all ranks (resume.samples_done)
         self.best_acc1, self.best_epoch = -1.0, None
         self.elapsed_before = 0.0
         self.replica_checks, self.replica_check_s, self._checked_at = 0, 0.0, None
         self.checkpoints = RunCheckpoints(cfg, self.model)
         self.checkpoints.resume(self)
         self.metrics = MetricsWriter(self.metrics_path, self.main, cfg.tensorboard, truncate=cfg.overwrite)
+
+    @property
+    def batches_done(self) -> int:
+        """Each rank's micro-batches of the current epoch, of this run's ``-b``: the
+        position as checkpoints before ``samples_done`` recorded it."""
+        return self.samples_done // (self.cfg.batch_size * self.info.world_size)
+
+    @batches_done.setter
+    def batches_done(self, value: int) -> None:
+        self.samples_done = value * self.cfg.batch_size * self.info.world_size
+
+    def steps_left_in_epoch(self) -> int:
+        return decide.steps_left_in_epoch(self.samples_done, dataset_size=len(self.data.spec.train),
+                                          world_size=self.info.world_size, batch_size=self.cfg.batch_size,
+                                          accum_steps=self.cfg.accum_steps)
+
+    def _over(self) -> bool:
+        """Whether the run has ended: at --epochs, or at --max-steps before it
+        (build.schedule). Counted in epochs, not steps, so that a run resumed with
+        another global batch (--allow-changed-config) ends at --epochs too."""
+        if self.max_steps is not None and self.step >= self.max_steps:
+            return True
+        last_epoch_done = self.epoch + 1 == self.cfg.epochs and self.steps_left_in_epoch() == 0
+        return self.epoch >= self.cfg.epochs or last_epoch_done
 
     def release(self) -> None:
         """Let go of the run directory's lock (the OS does it too when the process ends)."""
@@ -130,7 +158,7 @@ class Trainer:
                     self.total_steps, self.steps_per_epoch, self.samples_per_step, cfg.checkpoint_dir,
                     self.metrics_path)
         self._stop_if_asked(save=False)  # a signal during start-up: nothing trained yet
-        while self.step < self.total_steps:
+        while not self._over():
             self.train_epoch()
         return self.finish()
 
@@ -154,7 +182,7 @@ class Trainer:
         cfg, spec = self.cfg, self.data.spec
         if cfg.task == "imagenet" and spec.train.transform is not None:
             spec.train.transform, spec.val.transform = data_mod.imagenet_transforms(build.image_size(cfg, epoch))
-        self.data.train_sampler.set_epoch(epoch, self.batches_done * cfg.batch_size)
+        self.data.train_sampler.set_epoch(epoch, self.samples_done)
         return data_mod.make_loader(spec.train, self.data.train_sampler, cfg.batch_size, cfg.workers,
                                     self.device.type == "cuda", drop_last=True)
 
@@ -167,9 +195,10 @@ class Trainer:
     def train_epoch(self) -> None:
         cfg = self.cfg
         epoch = self.epoch
-        steps_left = min(self.steps_per_epoch - self.batches_done // cfg.accum_steps, self.total_steps - self.step)
+        rest = self.steps_left_in_epoch()
+        steps_left = rest if self.max_steps is None else min(rest, self.max_steps - self.step)
         show = self.main and cfg.progress and sys.stderr.isatty()
-        bar = tqdm(total=self.steps_per_epoch, initial=self.batches_done // cfg.accum_steps, disable=not show,
+        bar = tqdm(total=self.steps_per_epoch, initial=max(0, self.steps_per_epoch - rest), disable=not show,
                    desc=f"epoch {epoch + 1}/{self.epochs_shown}", dynamic_ncols=True, leave=False)
         self.model.train()
         epoch_start, epoch_loss, epoch_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
@@ -179,7 +208,7 @@ class Trainer:
             for _ in range(steps_left):
                 loss = self.train_step(batches)
                 self.step += 1
-                self.batches_done += cfg.accum_steps
+                self.samples_done += self.samples_per_step
                 comm = mdist.comm_stats(self.ddp)
                 comm = comm.pop_step() if comm is not None else {"allreduce_calls": 0, "allreduce_bytes": 0}
                 window_loss += loss
@@ -187,24 +216,26 @@ class Trainer:
                 epoch_loss += loss
                 epoch_steps += 1
                 bar.update(1)
-                if self.step % cfg.print_freq == 0 or self.step == self.total_steps:
+                last = self._over()
+                if self.step % cfg.print_freq == 0 or last:
                     mean_loss = self._mean_across_ranks(window_loss / window_steps)
                     rate = window_steps * self.samples_per_step / (time.perf_counter() - window_start)
                     self._log_step(mean_loss, rate, comm)
+                    self.metrics.check()  # a metrics write that failed on the main process stops every rank now
                     bar.set_postfix(loss=f"{mean_loss:.4f}", scale=f"{self.opt.loss_scale:g}", img_s=f"{rate:.0f}")
                     window_start, window_steps = time.perf_counter(), 0
                     window_loss = torch.zeros((), device=self.device)
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                if cfg.save_every and self.step % cfg.save_every == 0 and not last:
                     self.save()
                 elif cfg.check_replicas and self.step % cfg.check_replicas == 0:
                     self.check_replicas()
-                if self.step < self.total_steps:
+                if not last:
                     self._stop_if_asked()
         finally:
             bar.close()
         epoch_loss = self._mean_across_ranks(epoch_loss / max(1, epoch_steps))
-        if self.batches_done // cfg.accum_steps >= self.steps_per_epoch:
-            self.epoch, self.batches_done = epoch + 1, 0
+        if self.steps_left_in_epoch() == 0:
+            self.epoch, self.samples_done = epoch + 1, 0
         self._end_epoch(epoch, epoch_loss, time.perf_counter() - epoch_start,
                         epoch_steps * self.samples_per_step)
 

@@ -9,11 +9,13 @@ tested (tests/test_resume.py), on its own.
 
 from __future__ import annotations
 
+import os
+
 from ..errors import CheckpointError, UserError
 from .config import TrainConfig
 
 __all__ = ["pick_last", "earlier_run", "changed_settings", "judge_changes", "comm_state", "judge_inexact_comm_state",
-           "batches_done_after_change"]
+           "samples_done", "steps_left_in_epoch"]
 
 
 def pick_last(found: dict[str, int | None], own: str) -> str | None:
@@ -35,32 +37,76 @@ def pick_last(found: dict[str, int | None], own: str) -> str | None:
 
 
 def earlier_run(*, resume: str | None, continues: bool, checkpoints: list[str], metrics: str | None,
-                overwrite: bool, folder: str) -> list[str]:
+                overwrite: bool, folder: str, dangling: dict[str, str] | None = None,
+                own_checkpoint: bool = False) -> list[str]:
     """What an earlier run in the folder means for this start.
 
     Args:
         resume: ``--resume``: None, ``"auto"`` or a path.
         continues: whether this run continues the run in its folder (``--resume auto``
             found a "last" checkpoint there, or ``--resume PATH`` names one of them).
-        checkpoints: the checkpoints in the folder.
+        checkpoints: the checkpoints in the folder (links that name nothing included).
         metrics: the metrics file, when it already holds records.
         overwrite: ``--overwrite``.
         folder: the checkpoint folder, for the message.
+        dangling: the checkpoints among ``checkpoints`` that are links to a folder that
+            is gone, with the folder each names.
+        own_checkpoint: ``--resume PATH`` names one of the folder's own checkpoints that
+            is not a "last" one (its ``best``).
 
     Returns:
         The files to delete before starting (``--overwrite``; the metrics file is
         truncated when it is opened instead); none when the run continues its folder.
 
     Raises:
-        UserError: the folder holds an earlier run that this one would replace.
+        UserError: the folder holds an earlier run that this one would replace. The
+            line names every file of it, and only advice that works from here:
+            ``--overwrite`` never goes with ``--resume``, and ``--resume auto`` is
+            offered only where it would find a checkpoint to continue.
     """
     if continues:
         return []
     earlier = list(checkpoints) + ([metrics] if metrics and resume is None else [])
     if earlier and not overwrite:
-        raise UserError(f"{folder} holds an earlier run ({', '.join(earlier)}): continue it with --resume auto, "
-                        "start elsewhere with another --checkpoint-dir, or replace it with --overwrite")
+        raise UserError(_earlier_run_advice(resume, checkpoints, earlier, folder, dangling or {}, own_checkpoint))
     return [path for path in earlier if path != metrics]
+
+
+def _is_last(path: str) -> bool:
+    return os.path.basename(path).startswith("last")
+
+
+def _earlier_run_advice(resume, checkpoints: list[str], earlier: list[str], folder: str, dangling: dict[str, str],
+                        own_checkpoint: bool) -> str:
+    """The one line that refuses a start in a folder with an earlier run (:func:`earlier_run`)."""
+    listed = ", ".join(earlier)
+    loadable = [path for path in checkpoints if path not in dangling]
+    has_last = any(_is_last(path) for path in loadable)
+    gone = [f"{link} names {target}, which is gone" for link, target in dangling.items()]
+    if resume is None:
+        if has_last or not checkpoints:  # --resume auto continues it (or, with only metrics, appends to them)
+            return (f"{folder} holds an earlier run ({listed}): continue it with --resume auto, start elsewhere "
+                    "with another --checkpoint-dir, or replace it with --overwrite")
+        branch = [f"continue from {loadable[0]} in another folder with --resume {loadable[0]} --checkpoint-dir "
+                  "OTHER"] if loadable else []
+        return (f"{folder} holds an earlier run ({'; '.join([listed, *gone])}) with no last checkpoint to continue: "
+                + ", ".join(branch + ["start elsewhere with another --checkpoint-dir"]) + ", or replace it with "
+                "--overwrite")
+    if resume == "auto":  # no "last" checkpoint that loads: say what is there and what is missing
+        facts = [] if any(_is_last(path) for path in checkpoints) else ["no last.pt or last.dcp"]
+        facts += gone
+        facts.append(f"it holds {listed}")
+        found = f"--resume auto found nothing to continue in {folder} ({'; '.join(facts)}): "
+        if loadable:
+            return (found + f"continue from {loadable[0]} in another folder with --resume {loadable[0]} "
+                    f"--checkpoint-dir OTHER, or start afresh in {folder} with --overwrite and without --resume")
+        return found + f"start afresh in {folder} with --overwrite and without --resume, or in another --checkpoint-dir"
+    elsewhere = f"continue from {resume} in another folder with --resume {resume} --checkpoint-dir OTHER"
+    own = f"continue the run in {folder} from its last checkpoint with --resume auto, or " if has_last else ""
+    if own_checkpoint:  # DIR/best.pt into DIR: its later checkpoints would be replaced
+        return (f"{resume} is a checkpoint of the run in {folder} ({listed}); continuing from it there would "
+                f"replace that run's later checkpoints and mix two histories in its metrics: {own}{elsewhere}")
+    return f"{folder} holds an earlier run ({listed}): {own}{elsewhere}"
 
 
 def changed_settings(cfg: TrainConfig, saved_config, saved_run, run_facts: dict,
@@ -144,9 +190,33 @@ def judge_inexact_comm_state(inexact: str | None, allow: bool, path: str) -> str
     return f"resuming {path}: {inexact}; the run is no longer bit-identical to an uninterrupted one"
 
 
-def batches_done_after_change(batches_done: int, saved_batch_size: int, batch_size: int, accum_steps: int) -> int:
-    """The position in the epoch, kept in samples, when ``-b`` or ``--accum-steps``
-    changed on resume (``--allow-changed-config``): the micro-batches of the new size
-    that whole optimizer steps of the samples already seen make."""
-    samples = batches_done * saved_batch_size
-    return samples // (batch_size * accum_steps) * accum_steps
+def samples_done(saved: dict, batch_size: int) -> int:
+    """Where a checkpoint stopped in its epoch, in samples of the epoch's order over all
+    processes: the one position that means the same for any number of processes,
+    batch size and accumulation steps.
+
+    Args:
+        saved: the checkpoint's training state: ``samples_done`` where it recorded one;
+            an earlier checkpoint recorded only each process's ``batches_done``, of the
+            batch size in its ``config``, on the processes its ``run`` (or its RNG
+            states, one per process) counts.
+        batch_size: ``-b`` now, for a checkpoint that recorded no config.
+    """
+    if saved.get("samples_done") is not None:
+        return int(saved["samples_done"])
+    config = saved.get("config") if isinstance(saved.get("config"), dict) else {}
+    run = saved.get("run") if isinstance(saved.get("run"), dict) else {}
+    processes = run.get("processes") or len(saved.get("rng") or ()) or 1
+    return int(saved["batches_done"]) * int(config.get("batch_size", batch_size)) * int(processes)
+
+
+def steps_left_in_epoch(samples_done: int, *, dataset_size: int, world_size: int, batch_size: int,
+                        accum_steps: int) -> int:
+    """The optimizer steps that the rest of the epoch holds, from ``samples_done``
+    (:func:`samples_done`) on: each of ``world_size`` processes takes an equal share
+    of the samples left (:class:`mpfp16.train.data.ResumableDistributedSampler`), in
+    micro-batches of ``batch_size``, ``accum_steps`` of them a step. A rest that cannot
+    fill one more step of every process is not trained, as at the end of any epoch;
+    0 means the epoch is over."""
+    per_process = max(0, dataset_size - samples_done) // world_size
+    return per_process // batch_size // accum_steps

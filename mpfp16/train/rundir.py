@@ -29,7 +29,8 @@ from ..parallel.base import broadcast_object, is_main_process
 from . import resume as decide
 from .config import TrainConfig
 
-__all__ = ["claim", "last_paths", "check_folder", "check_file", "existing_run", "RunLock", "CHECKPOINT_NAMES"]
+__all__ = ["claim", "last_paths", "check_folder", "check_file", "existing_run", "dangling_links", "RunLock",
+           "CHECKPOINT_NAMES"]
 
 logger = logging.getLogger("mpfp16")
 
@@ -76,13 +77,16 @@ def _check_run_dir(cfg: TrainConfig, metrics_path: str) -> RunLock | None:
     lock = RunLock(cfg.checkpoint_dir)
     try:
         folder, resume = cfg.checkpoint_dir, cfg.resume
-        lasts = last_paths(folder)
+        lasts, checkpoints = last_paths(folder), existing_run(folder, None)
+        named = resume not in (None, "auto") and os.path.exists(resume)
         continues = bool(lasts) if resume == "auto" else (
-            resume is not None and os.path.exists(resume) and any(os.path.samefile(resume, p) for p in lasts))
+            named and any(os.path.samefile(resume, p) for p in lasts))
+        own_checkpoint = named and any(os.path.exists(p) and os.path.samefile(resume, p) for p in checkpoints)
         has_records = os.path.isfile(metrics_path) and os.path.getsize(metrics_path) > 0
-        for path in decide.earlier_run(resume=resume, continues=continues, checkpoints=existing_run(folder, None),
+        for path in decide.earlier_run(resume=resume, continues=continues, checkpoints=checkpoints,
                                        metrics=metrics_path if has_records else None, overwrite=cfg.overwrite,
-                                       folder=folder):
+                                       folder=folder, dangling=dangling_links(checkpoints),
+                                       own_checkpoint=own_checkpoint):
             os.unlink(path)  # --overwrite; the sweep below takes the folders of DCP links
         stale = checkpoint.remove_unfinished(folder)
         if stale:
@@ -130,6 +134,13 @@ def existing_run(folder: str, metrics_path: str | None) -> list[str]:
     if metrics_path and os.path.isfile(metrics_path) and os.path.getsize(metrics_path) > 0:
         found.append(metrics_path)
     return found
+
+
+def dangling_links(paths: list[str]) -> dict[str, str]:
+    """The links among ``paths`` that name nothing (a ``last.dcp`` whose folder is gone),
+    with the path each names."""
+    return {path: os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+            for path in paths if os.path.islink(path) and not os.path.exists(path)}
 
 
 class RunLock:
