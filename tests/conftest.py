@@ -1,7 +1,17 @@
-"""Tests marked `cuda` need a CUDA GPU: skipped on CPU, run by `python -m mpfp16.bench.gpu`."""
+"""Tests marked `cuda` need a CUDA GPU: skipped on CPU, run by `python -m mpfp16.bench.gpu`.
+Tests not marked `slow` follow the fast tier's rules (tests/suite_rules.py)."""
 
-import pytest
-import torch
+import os
+
+# inductor compiles in this process, not in a pool of worker processes it would start
+# (a launch per test session, and one the fast tier's rules would count); on 2 cores the
+# pool saves nothing here.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest_plugins = ["suite_rules"]
 
 
 def pytest_collection_modifyitems(config, items):

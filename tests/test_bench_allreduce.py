@@ -2,12 +2,10 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from dist_helpers import free_port
+from dist_helpers import torchrun as launch
 from mpfp16.bench import allreduce as bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,10 +34,7 @@ def test_bandwidths():
 
 
 def torchrun(args, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "mpfp16.bench.allreduce", *args]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))
+    return launch(["-m", "mpfp16.bench.allreduce", *args], cwd=tmp_path)
 
 
 @pytest.mark.slow

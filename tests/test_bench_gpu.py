@@ -13,6 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the script's own four parts, each bounded (mpfp16/bench/gpu.py)
 def test_dry_run_writes_its_json_and_table(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.gpu", "--dry-run", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)

@@ -12,6 +12,7 @@ from mpfp16.errors import last_error_line
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_memory_table_for_one_rank(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.sharding", "memory", "--ranks", "1", "--model",
@@ -26,6 +27,7 @@ def test_memory_table_for_one_rank(tmp_path):
     assert "| 1 | sgd | sharded |" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,message", [
     (["memory", "--ranks", "x"], "expected comma-separated integers"),
     (["memory", "--optimizers", "lamb"], "optimizers are sgd and adam"),

@@ -7,6 +7,7 @@ import pytest
 from mpfp16.bench import step as bench
 
 
+@pytest.mark.slow  # the benchmark end to end: it compiles the fused step for 1 and 2 threads
 def test_step_benchmark_runs(tmp_path, capsys):
     out = tmp_path / "step.json"
     assert bench.main(["--model", "squeezenet1_1", "--rounds", "1", "--warmup", "1", "--threads", "1,2",

@@ -23,6 +23,7 @@ def worked(request, tmp_path_factory):
     return folder, results
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 @pytest.mark.parametrize("case", CROSS)
 def test_either_format_reads_into_either_layout_bit_for_bit(worked, case):
     """Masters (gathered), inner optimizer state, buffers, scaler and counters are the
@@ -33,6 +34,7 @@ def test_either_format_reads_into_either_layout_bit_for_bit(worked, case):
     assert results[0]["local"]["iteration"] == 2 and results[0]["sharded"]["iteration"] == 4
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 def test_a_dcp_folder_reads_whole_without_a_process_group(worked):
     folder, results = worked
     assert not torch.distributed.is_initialized()
@@ -42,6 +44,7 @@ def test_a_dcp_folder_reads_whole_without_a_process_group(worked):
     assert checkpoint.saved_step(str(folder / "local.pt")) == 2
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 @pytest.mark.parametrize("kind", ["dcp-rename", "dcp-link", "file-rename"])
 def test_any_error_while_rank0_finishes_a_save_is_one_line_on_every_rank_at_once(worked, kind):
     _, results = worked

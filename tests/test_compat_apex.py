@@ -331,6 +331,7 @@ def _apex_checkpoint(tmp_path, kind):
     return path, model, opt
 
 
+@pytest.mark.slow
 def test_an_apex_checkpoint_loads_with_only_its_scaler_allowed(tmp_path):
     path, model, opt = _apex_checkpoint(tmp_path, "amp")
     with pytest.raises(Exception, match="Weights only load failed"):
@@ -349,6 +350,7 @@ def test_an_apex_checkpoint_loads_with_only_its_scaler_allowed(tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_an_old_fp16_utils_scaler_loads_its_scale(tmp_path):
     path, _, _ = _apex_checkpoint(tmp_path, "fp16_utils")
     ckpt = A.load_apex_checkpoint(str(path))
@@ -359,6 +361,7 @@ def test_an_old_fp16_utils_scaler_loads_its_scale(tmp_path):
     assert opt2.loss_scale == 512.0
 
 
+@pytest.mark.slow
 def test_anything_else_pickled_is_refused_in_one_line(tmp_path):
     path, _, _ = _apex_checkpoint(tmp_path, "evil")
     with pytest.raises(CheckpointError, match=r"^refusing to load .*apex_evil.pt: it contains a pickled Python "
@@ -436,12 +439,9 @@ def test_apex_ddp_options_without_a_mapping_are_refused(kw, match):
 def test_the_ported_apex_example_runs_under_torchrun(tmp_path):
     """examples/apex_port.py, apex's own DDP + FP16_Optimizer example ported by changing
     its imports, on two gloo processes: the replicas agree and the loss falls."""
-    from dist_helpers import free_port
+    from dist_helpers import torchrun
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "examples/apex_port.py", "--steps", "30"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = torchrun(["examples/apex_port.py", "--steps", "30"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(r"^final loss ([\d.]+) \(from ([\d.]+)\); replicas identical on 2 process\(es\)$",
                        proc.stdout, flags=re.M)

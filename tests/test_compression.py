@@ -4,8 +4,6 @@ refusals, exact resume of PowerSGD, and the accuracy benchmark."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import mpfp16
 import mpfp16.distributed as mdist
 import train_cifar
 import train_imagenet
-from dist_helpers import free_port, run_workers
+from dist_helpers import Group, torchrun as launch
 from dist_workers import mlp
 from mpfp16.bench import compression as bench
 from mpfp16.train.config import ConfigError, TrainConfig
@@ -31,16 +29,36 @@ NUMEL = 8 * 32 + 32 + 32 * 4 + 4
 # whole (72 * 2 > 128), 128; the biases, 36.
 POWERSGD_NUMEL = {1: 40 + 36 + 32 + 4, 2: 80 + 128 + 32 + 4}
 slow = pytest.mark.slow
+HOOKS = {"fp16": ("fp16_compress", 1), "bf16": ("bf16_compress", 1), "powersgd-r1": ("powersgd", 1),
+         "powersgd-r2": ("powersgd", 2)}
+RESUMES = {
+    "resnet-one-bucket": ("resnet9-w8", (2, 4), 25),      # at its first compressed step, then warm; one bucket
+    "resnet-several-buckets": ("resnet9-w8", (3,), 0.1),  # several buckets after DDP's rebuild
+    "mlp": ("mlp", (1, 5), 0.0003),                       # before compression starts, then warm
+}
+GROUP = Group(timeout=900)
+for _name, (_strategy, _rank) in HOOKS.items():
+    GROUP.add(("hook", _name), CW.against_torch, _strategy, _rank, STEPS, 25)
+GROUP.add("several buckets", CW.against_torch, "powersgd", 1, STEPS, 0.0003, True)
+for _name, (_arch, _stops, _bucket_mb) in RESUMES.items():
+    GROUP.add(("resume", _name), CW.powersgd_resume, _stops, 7, _arch, _bucket_mb)
+GROUP.add("before rebuild", CW.powersgd_resume, (1, 2), 4, "mlp")
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """The two-process cases, in one launch."""
+    return GROUP.run(tmp_path_factory.mktemp("group"))
 
 
 # ----------------------------------------------------------------- against torch's own hooks
 
 
 @slow
-@pytest.mark.parametrize("strategy,rank", [("fp16_compress", 1), ("bf16_compress", 1), ("powersgd", 1),
-                                           ("powersgd", 2)], ids=["fp16", "bf16", "powersgd-r1", "powersgd-r2"])
-def test_the_weights_are_torchs_own_hooks_bit_for_bit(tmp_path, strategy, rank):
-    r0, r1 = run_workers(CW.against_torch, tmp_path, args=(strategy, rank, STEPS, 25))
+@pytest.mark.parametrize("name", list(HOOKS))
+def test_the_weights_are_torchs_own_hooks_bit_for_bit(group, name):
+    strategy, rank = HOOKS[name]
+    r0, r1 = group(("hook", name))
     for r in (r0, r1):
         assert torch.equal(r["mpfp16"], r["reference"])
     assert torch.equal(r0["mpfp16"], r1["mpfp16"])
@@ -58,10 +76,10 @@ def test_the_weights_are_torchs_own_hooks_bit_for_bit(tmp_path, strategy, rank):
 
 
 @slow
-def test_powersgd_with_several_buckets_matches_torchs_hook_one_bucket_at_a_time(tmp_path):
+def test_powersgd_with_several_buckets_matches_torchs_hook_one_bucket_at_a_time(group):
     """Two buckets after DDP's rebuild: the reference runs torch's hook with no mpfp16,
     each bucket after the previous one's result (torch's hook alone can hang there)."""
-    r0, r1 = run_workers(CW.against_torch, tmp_path, args=("powersgd", 1, STEPS, 0.0003, True))
+    r0, r1 = group("several buckets")
     assert torch.equal(r0["mpfp16"], r0["reference"]) and torch.equal(r1["mpfp16"], r1["reference"])
     assert [s["allreduce_calls"] for s in r0["stats"]] == [1] + [2] * (STEPS - 1)
     assert [s["allreduce_bytes"] for s in r0["stats"]][2:] == [POWERSGD_NUMEL[1] * 4] * (STEPS - 2)
@@ -71,15 +89,12 @@ def test_powersgd_with_several_buckets_matches_torchs_hook_one_bucket_at_a_time(
 
 
 @slow
-@pytest.mark.parametrize("arch,stops,bucket_mb", [
-    ("resnet9-w8", (2, 4), 25),      # at its first compressed step, then warm; one bucket
-    ("resnet9-w8", (3,), 0.1),       # several buckets after DDP's rebuild
-    ("mlp", (1, 5), 0.0003),         # before compression starts, then warm
-], ids=["resnet-one-bucket", "resnet-several-buckets", "mlp"])
-def test_powersgd_resumes_bit_identically(tmp_path, arch, stops, bucket_mb):
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_powersgd_resumes_bit_identically(group, name):
     """A new DDP module puts every parameter in one bucket, in definition order, for its
     first step: the state and the arithmetic must follow the recorded layout."""
-    r0, r1 = run_workers(CW.powersgd_resume, tmp_path, args=(stops, 7, arch, bucket_mb), timeout=240)
+    stops = RESUMES[name][1]
+    r0, r1 = group(("resume", name))
     for r in (r0, r1):
         assert torch.equal(r["resumed"], r["straight"])
         assert r["reasons"] == [None] * len(stops)
@@ -88,10 +103,10 @@ def test_powersgd_resumes_bit_identically(tmp_path, arch, stops, bucket_mb):
 
 
 @slow
-def test_a_powersgd_state_saved_before_ddp_rebuilt_says_it_cannot_resume_exactly(tmp_path):
+def test_a_powersgd_state_saved_before_ddp_rebuilt_says_it_cannot_resume_exactly(group):
     """Stopped after 1 step, resumed for 1 (DDP never rebuilt), saved at the first
     compressed step: the layout its Q's are drawn in is unknown."""
-    r0, _ = run_workers(CW.powersgd_resume, tmp_path, args=((1, 2), 4, "mlp"))
+    r0, _ = group("before rebuild")
     assert r0["reasons"][0] is None
     assert r0["reasons"][1].startswith("PowerSGD had started and the process that saved it had not yet rebuilt")
 
@@ -185,6 +200,7 @@ def test_the_script_refuses_fp16_compress_of_an_fp16_model_in_one_line(capsys):
 TINY = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1", "--precision", "fp32"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changed,listed", [
     (["--allreduce-strategy", "powersgd", "--powersgd-rank", "2"], "powersgd_rank 1 -> 2"),
     (["--allreduce-strategy", "powersgd", "--powersgd-start-iter", "5"], "powersgd_start_iter 2 -> 5"),
@@ -201,10 +217,7 @@ def test_a_resume_that_changes_the_compression_is_refused(cifar_root, tmp_path, 
 
 
 def torchrun(args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "train_cifar.py", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return launch(["train_cifar.py", *args])
 
 
 @slow

@@ -1,8 +1,6 @@
 """CUDA checks (pytest -m cuda): skipped on CPU, run by `python -m mpfp16.bench.gpu`."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -70,11 +68,11 @@ def test_overflow_skips_on_cuda():
 
 
 def test_train_cifar_under_torchrun_with_nccl(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-           "--master_port", "29577", "train_cifar.py", "--synthetic-size", "256,64", "-a", "resnet9-w8", "-b", "32",
-           "--epochs", "1", "--channels-last", "--no-progress", "--checkpoint-dir", str(tmp_path),
-           "--allreduce-strategy", "fp32_accumulate"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    from dist_helpers import torchrun
+
+    proc = torchrun(["train_cifar.py", "--synthetic-size", "256,64", "-a", "resnet9-w8", "-b", "32",
+                     "--epochs", "1", "--channels-last", "--no-progress", "--checkpoint-dir", str(tmp_path),
+                     "--allreduce-strategy", "fp32_accumulate"], nproc=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "backend nccl" in proc.stdout
     ckpt = torch.load(tmp_path / "last.pt", weights_only=True)

@@ -42,11 +42,13 @@ def test_some_updates_are_lost_without_masters(tmp_path, setup):
 
 def test_loss_scaling_brings_flushed_gradients_back(tmp_path, setup):
     """Section 3.2's claim, measured: without scaling fp16 flushes some activation
-    gradients to zero; at 2^16 none; most that were subnormal become normal."""
+    gradients to zero (over 1%); at 2^16 almost none (under 0.001%, and over a thousand
+    times fewer: 0 on 2 threads, about 1e-6 on 1, whose reduction order gives slightly
+    other fp32 gradients); most that were subnormal become normal."""
     table = underflow.run(setup, 0, str(tmp_path), str(tmp_path / "doc.md"))["table"]
     zero = {s: table[("activation gradients", "end", s)][0] for s in underflow.SCALES}
     subnormal = {s: table[("activation gradients", "end", s)][1] for s in underflow.SCALES}
-    assert zero[1.0] > 0.01 and zero[2.0**16] == 0.0
+    assert zero[1.0] > 0.01 and zero[2.0**16] < 1e-5 and zero[2.0**16] < zero[1.0] / 1000
     assert subnormal[2.0**16] < subnormal[1.0] / 10
     assert all(table[key][2] == 0.0 for key in table)  # nothing overflows at these scales
 

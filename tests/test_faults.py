@@ -126,6 +126,7 @@ def test_nan_at_every_step_stops_every_rank_and_keeps_the_checkpoint(cifar_root,
     assert all(torch.isfinite(v).all() for v in clean.values() if v.is_floating_point())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_unscaled_runs_stop_after_a_bounded_number_of_bad_steps(cifar_root, tmp_path, capsys, precision,
                                                                 monkeypatch):
@@ -180,6 +181,7 @@ def truncated_folder(tmp_path):
     return root, victim
 
 
+@pytest.mark.slow  # a training run, with loader workers for "2"
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_truncated_jpeg_fails_the_run_naming_the_file(truncated_folder, tmp_path, capsys, workers):
     root, victim = truncated_folder
@@ -190,6 +192,7 @@ def test_truncated_jpeg_fails_the_run_naming_the_file(truncated_folder, tmp_path
     assert status == 2 and len(err) == 1 and err[0].startswith(f"error: cannot decode image {victim}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_truncated_jpeg_is_skipped_with_one_warning_per_run_when_asked(truncated_folder, tmp_path, capfd, workers):
     """On stderr, once in the run, although every epoch meets the file again (in new
@@ -257,6 +260,7 @@ SWITCHES = ["--no-master-weights", "--nesterov", "--no-nesterov", "--no-bn-wd", 
             "--zero-init-residual", "-e", "--no-progress"]
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(
@@ -317,6 +321,7 @@ IMAGENET_VALUES = BAD_OR_ODD_VALUES + ["8", "16", "4096", "0:8,1:16", "0:16", "1
                                        "skip", "8,4"]
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(IMAGENET_FLAGS), st.sampled_from(IMAGENET_VALUES)), max_size=3))

@@ -175,11 +175,13 @@ def sharded(tmp_path_factory):
     return folder, results
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 def test_a_sharded_checkpoint_verifies(sharded):
     _, results = sharded
     assert [r["clean"] for r in results] == [None, None]
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 def test_one_flipped_bit_in_a_shard_file_or_meta_pt_is_named_on_every_rank(sharded):
     folder, (r0, r1) = sharded
     assert r0["flips"] == r1["flips"]  # the same line on every rank
@@ -197,12 +199,14 @@ def test_one_flipped_bit_in_a_shard_file_or_meta_pt_is_named_on_every_rank(shard
                 assert f"(its data is in {flip['file']}" in error or flip["file"] in error, flip
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 def test_a_sharded_checkpoint_written_before_checksums_loads(sharded):
     _, results = sharded
     for r in results:
         assert r["old has none"] and r["old"] is None
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 def test_a_truncated_metadata_is_called_truncated_not_a_pickled_object(sharded):
     _, results = sharded
     for r in results:
@@ -211,6 +215,7 @@ def test_a_truncated_metadata_is_called_truncated_not_a_pickled_object(sharded):
             assert "truncated" in error and "pickled Python object" not in error and "\n" not in error, error
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 def test_a_missing_shard_file_is_named(sharded):
     _, results = sharded
     for r in results:
@@ -219,6 +224,7 @@ def test_a_missing_shard_file_is_named(sharded):
             assert "__1_0.distcp" in error and "missing" in error and "\n" not in error, error
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 def test_a_hand_edited_meta_pt_is_one_line_naming_it_and_the_field(sharded):
     _, (r0, r1) = sharded
     assert r0["edits"] == r1["edits"]
@@ -229,6 +235,7 @@ def test_a_hand_edited_meta_pt_is_one_line_naming_it_and_the_field(sharded):
         assert "last.dcp/meta.pt" in error or "last.dcp is incomplete: tensor rng.0.torch (of meta.pt)" in error, error
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 def test_a_sharded_state_into_an_unsharded_optimizer_points_to_mpfp16_checkpoint(sharded):
     _, results = sharded
     for r in results:
@@ -237,6 +244,7 @@ def test_a_sharded_state_into_an_unsharded_optimizer_points_to_mpfp16_checkpoint
         assert r["sharded into local, read"] is None  # which converts it
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 def test_a_copy_of_a_complete_checkpoint_survives_a_start_and_saves(sharded):
     _, (r0, r1) = sharded
     assert r0["swept"] == [".sharded-step2-dead.tmp"]  # what a crash leaves, and nothing else
@@ -246,6 +254,7 @@ def test_a_copy_of_a_complete_checkpoint_survives_a_start_and_saves(sharded):
     assert r0["backup"] is None and r1["backup"] is None
 
 
+@pytest.mark.slow  # its fixture launches a worker group
 def test_a_full_disk_during_a_sharded_save_is_one_line_on_every_rank(sharded):
     _, results = sharded
     errors = {r["full"] for r in results}
@@ -317,6 +326,7 @@ def _one_line_everywhere(results, status: int) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_the_script_on_a_full_disk_stops_every_rank_with_one_line(tmp_path):
     """A tmpfs that holds one checkpoint, not two: the save at step 1 fits, the one at
     step 2 does not; then a full disk under --metrics."""
@@ -340,6 +350,7 @@ def test_the_script_on_a_full_disk_stops_every_rank_with_one_line(tmp_path):
 # ------------------------------------------------------------------ 5 and 9 through the script
 
 
+@pytest.mark.slow
 def test_the_script_keeps_a_copy_of_a_checkpoint_and_refuses_a_hand_edited_one(tmp_path, capsys):
     """A user's copy of a complete checkpoint folder, beside the run's, survives the next
     start and its saves; the start's line counts only the unfinished write it removed.

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = ["torchvision", "tqdm", "torch._inductor", "torch._dynamo", "mpfp16.train", "mpfp16.stores.kernels"]
 
 
@@ -15,12 +17,14 @@ def modules_added_by(statement):
     return set(json.loads(out.splitlines()[-1]))
 
 
+@pytest.mark.slow
 def test_import_mpfp16_brings_no_application_and_no_compiler():
     added = modules_added_by("import mpfp16")
     assert "mpfp16.optimizer" in added
     assert not [m for m in added if any(m == h or m.startswith(h + ".") for h in HEAVY)]
 
 
+@pytest.mark.slow
 def test_the_application_brings_what_it_needs():
     added = modules_added_by("import mpfp16.train.engine")
     assert "torchvision" in added and "mpfp16.train.cli" not in added

@@ -10,12 +10,18 @@ import sys
 
 import pytest
 
+from dist_helpers import torchrun
 from mpfp16.bench import links, netem
 from run_helpers import assert_same_final_state, records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHY_NOT = links.unavailable()
-needs_namespaces = pytest.mark.skipif(WHY_NOT is not None, reason=f"no emulated nodes here: {WHY_NOT}")
+_skip = pytest.mark.skipif(WHY_NOT is not None, reason=f"no emulated nodes here: {WHY_NOT}")
+
+
+def needs_namespaces(test):
+    """Skipped where namespaces cannot be made; slow where they can (they launch processes)."""
+    return pytest.mark.slow(_skip(test))
 
 
 def namespaces():
@@ -67,6 +73,7 @@ def test_a_delay_the_kernel_cannot_make_is_refused_in_one_line():
             assert link.probe(nbytes=1 << 20, pings=50)["rtt_us"] > 80
 
 
+@pytest.mark.slow
 def test_rates_and_delays_parse_or_fail_in_one_line():
     assert links.parse_rate("1gbit") == 1e9 and links.parse_rate("500mbit") == 5e8
     assert links.parse_delay("50us") == pytest.approx(5e-5) and links.parse_delay("0") == 0
@@ -101,6 +108,7 @@ def test_stops_mattering_is_the_lowest_rate_from_which_the_gain_stays_small():
 
 
 @needs_namespaces
+@pytest.mark.timeout(1200)  # two trainings, each bounded at 600 s
 def test_two_nodes_train_identically_and_write_the_checkpoint_once(cifar_root, tmp_path):
     """train_cifar.py on two nodes (c10d rendezvous across the link, one process per
     node), 10 steps: each node is given its own checkpoint folder, as on machines
@@ -122,10 +130,7 @@ def test_two_nodes_train_identically_and_write_the_checkpoint_once(cifar_root, t
     final = [r for r in records(tmp_path / f"node-{written[0]}" / "metrics.jsonl") if r.get("type") == "final"]
     assert len(final) == 1 and final[0]["step"] == 10
 
-    one_node = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args,
-         "--checkpoint-dir", str(tmp_path / "one-node")], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True, text=True, timeout=600)
+    one_node = torchrun([*args, "--checkpoint-dir", str(tmp_path / "one-node")], timeout=600)
     assert one_node.returncode == 0, one_node.stderr[-2000:]
     assert_same_final_state(tmp_path / f"node-{written[0]}" / "last.pt", tmp_path / "one-node" / "last.pt")
 
@@ -152,6 +157,7 @@ def test_netem_tool_sweeps_across_the_link_and_cleans_up(tmp_path):
     assert links.PREFIX not in namespaces()  # the tool removed its nodes
 
 
+@pytest.mark.slow
 def test_the_compression_table_joins_the_accuracy_cost(tmp_path):
     acc = tmp_path / "acc.json"
     acc.write_text(json.dumps({"steps": 57, "seeds": [0, 1, 2], "methods": [

@@ -53,6 +53,7 @@ def wait_for_step(metrics, step, proc, timeout=120):
 # ----------------------------------------------------------------- 1. protected run directories
 
 
+@pytest.mark.slow
 def test_a_fresh_run_never_replaces_an_earlier_one(cifar_root, tmp_path, capsys):
     ck = tmp_path / "ck"
     common = [cifar_root, *TINY, "--checkpoint-dir", str(ck)]
@@ -78,6 +79,7 @@ def test_a_fresh_run_never_replaces_an_earlier_one(cifar_root, tmp_path, capsys)
     assert status == 2 and "--overwrite starts a new run" in err
 
 
+@pytest.mark.slow
 def test_resuming_another_runs_checkpoint_into_a_folder_with_a_run_is_refused(cifar_root, tmp_path, capsys):
     for name in ("a", "b"):
         assert run([cifar_root, *TINY, "--max-steps", "2", "--checkpoint-dir", str(tmp_path / name)], capsys)[0] == 0
@@ -153,6 +155,7 @@ def test_a_second_live_run_is_locked_out_and_a_dead_ones_lock_is_not(cifar_root,
 # ----------------------------------------------------------------- 2. resume refuses changed meaning
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changed,listed", [
     (["-b", "8"], "batch_size 16 -> 8"),
     (["--epochs", "30"], "epochs 24 -> 30"),
@@ -172,6 +175,7 @@ def test_resume_refuses_changed_settings_and_names_each(cifar_root, tmp_path, ca
                    "bit-identical to an uninterrupted one\n")
 
 
+@pytest.mark.slow
 def test_allowed_changes_take_effect(cifar_root, tmp_path, capsys):
     """With --allow-changed-config the new lr and weight decay are what the optimizer
     uses, and the position in the epoch is kept in samples."""
@@ -261,6 +265,7 @@ def test_one_process_resumed_on_two_with_another_batch_train_each_sample_once(ci
     assert [(r["epoch"], r["step"]) for r in recs if r["type"] == "eval"][-1] == (1, 13)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("free", [["--max-steps", "5"], ["--save-every", "1"], ["-p", "2"], ["--no-progress"],
                                   ["-j", "1"], ["--metrics", "{tmp}/elsewhere.jsonl"]],
                          ids=["max-steps", "save-every", "print-freq", "no-progress", "workers", "metrics"])
@@ -272,6 +277,7 @@ def test_flags_that_change_neither_order_nor_schedule_are_free(cifar_root, tmp_p
     assert status == 0 and err == ""
 
 
+@pytest.mark.slow
 def test_max_steps_beyond_the_schedule_ends_at_epochs_and_says_so(cifar_root, tmp_path, capsys):
     """--max-steps only shortens: 50 steps asked of a 1-epoch schedule of 12 end at step
     12, with one line that says so (the run went on at lr 0 to step 50 before)."""

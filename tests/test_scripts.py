@@ -29,6 +29,7 @@ def imagenet_root(tmp_path_factory):
     return write_fake_imagefolder(tmp_path_factory.mktemp("imagenet"))
 
 
+@pytest.mark.slow
 def test_cifar_on_fake_cifar_files(cifar_root, tmp_path, capsys):
     result = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--epochs", "1", "--max-steps", "3",
                                          "--checkpoint-dir", str(tmp_path)], capsys)
@@ -40,6 +41,7 @@ def test_cifar_on_fake_cifar_files(cifar_root, tmp_path, capsys):
     assert (tmp_path / "best.pt").exists()
 
 
+@pytest.mark.slow
 def test_evaluate_a_checkpoint(cifar_root, tmp_path, capsys):
     assert run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--max-steps", "2", "--checkpoint-dir",
                                        str(tmp_path)], capsys)[0] == 0
@@ -49,6 +51,7 @@ def test_evaluate_a_checkpoint(cifar_root, tmp_path, capsys):
     assert "evaluation: loss" in result.out and "on 40 images" in result.out
 
 
+@pytest.mark.slow
 def test_metrics_file_has_the_promised_keys(cifar_root, tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     status, err = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--epochs", "1", "--max-steps", "4",
@@ -66,6 +69,7 @@ def test_metrics_file_has_the_promised_keys(cifar_root, tmp_path, capsys):
     assert recs[-1]["type"] == "final" and recs[-1]["step"] == 4
 
 
+@pytest.mark.slow
 def test_imagenet_on_a_tiny_imagefolder(imagenet_root, tmp_path, capsys):
     status, err = run_main(train_imagenet.main, [imagenet_root, *TINY_IMAGENET, "--epochs", "1",
                                                  "--checkpoint-dir", str(tmp_path), "--no-bn-wd",
@@ -77,6 +81,7 @@ def test_imagenet_on_a_tiny_imagefolder(imagenet_root, tmp_path, capsys):
     assert [r for r in recs if r["type"] == "eval"][-1]["val_samples"] == 9
 
 
+@pytest.mark.slow
 def test_imagenet_progressive_resizing_and_embedded_data(tmp_path, capsys):
     result = run_main(train_imagenet.main, [*TINY_IMAGENET, "--synthetic-size", "16,8", "--epochs", "2",
                                             "--resize-phases", "0:16,1:32", "--precision", "bf16",
@@ -85,6 +90,7 @@ def test_imagenet_progressive_resizing_and_embedded_data(tmp_path, capsys):
     assert "embedded synthetic data" in result.out
 
 
+@pytest.mark.slow
 def test_embedded_cifar_data_is_learnable(tmp_path, capsys):
     """A short bf16 run on the embedded set gets well above chance (10%)."""
     status, err = run_main(train_cifar.main, ["-a", "resnet9-w8", "--precision", "bf16", "--synthetic-size",
@@ -98,6 +104,7 @@ def test_embedded_cifar_data_is_learnable(tmp_path, capsys):
 # ----------------------------------------------------------------- exact resume
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     ["--precision", "fp16", "-b", "8", "--accum-steps", "2", "--max-grad-norm", "5"],
     ["--precision", "fp16", "--no-master-weights", "--optimizer", "adamw", "--lr", "0.01"],
@@ -160,6 +167,7 @@ def test_bad_input_is_one_line_and_nonzero(cifar_root, tmp_path, capsys, argv, m
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
 
 
+@pytest.mark.slow
 def test_mismatched_checkpoint_is_refused(cifar_root, tmp_path, capsys):
     assert run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--max-steps", "1", "--checkpoint-dir",
                                        str(tmp_path)], capsys)[0] == 0
@@ -178,6 +186,7 @@ def test_mismatched_checkpoint_is_refused(cifar_root, tmp_path, capsys):
         in err
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_precision_says_so(cifar_root, tmp_path, capsys):
     assert run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--max-steps", "1", "--precision", "fp32",
                                        "--checkpoint-dir", str(tmp_path)], capsys)[0] == 0
@@ -220,6 +229,7 @@ def test_a_link_that_counts_images_again_is_refused(tmp_path, capsys, link, targ
                        f"({tmp_path / 'root' / 'train' / 'dog'}): its images would count twice; remove the link\n")
 
 
+@pytest.mark.slow
 def test_a_single_class_is_warned_about_once(tmp_path, capsys):
     root = write_fake_imagefolder(tmp_path / "root", classes=("cat",))
     status, err = run_main(train_imagenet.main, [root, *TINY_IMAGENET, "--max-steps", "1", "--checkpoint-dir",
@@ -230,6 +240,7 @@ def test_a_single_class_is_warned_about_once(tmp_path, capsys):
                    "needs two classes or more\n")
 
 
+@pytest.mark.slow
 def test_fused_on_that_cannot_compile_is_one_line(cifar_root, tmp_path, capsys, monkeypatch):
     import torch._inductor.exc
 
@@ -275,6 +286,7 @@ def test_an_image_size_the_model_cannot_take_is_refused_before_training(tmp_path
     assert not os.listdir(tmp_path) or os.listdir(tmp_path) == [".mpfp16.lock"]
 
 
+@pytest.mark.slow
 def test_no_traceback_from_the_real_command_line(tmp_path):
     proc = subprocess.run([sys.executable, "train_cifar.py", str(tmp_path / "absent")], cwd=REPO,
                           capture_output=True, text=True, timeout=120)

@@ -1,15 +1,13 @@
 """--shard in the training scripts: exact resume, any world size, and what survives what."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import checkpoint_workers as CW
 import train_cifar
-from dist_helpers import free_port
+from dist_helpers import python, torchrun as launch
 from mpfp16.checkpoint import dcp
 from mpfp16.optimizer import upgrade_state_dict
 from run_helpers import assert_same_sharded_state, kill_a_worker_once_saved, records, run_main
@@ -19,15 +17,10 @@ TINY = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1", "--synthetic
 
 
 def torchrun(args, nproc=2, max_restarts=0, popen=False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--max-restarts", str(max_restarts),
-           "--monitor-interval", "0.2", "train_cifar.py", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if popen:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    return launch(["train_cifar.py", *args], nproc, max_restarts=max_restarts, popen=popen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     ["--accum-steps", "2", "-b", "8", "--max-grad-norm", "5"],
     ["--optimizer", "adamw", "--lr", "0.01", "--precision", "bf16"],
@@ -59,11 +52,9 @@ def test_two_processes_record_reduce_scatter_and_resume_on_one(tmp_path):
     # the same checkpoint on one process: refused as a changed setting, accepted when allowed
     one = [*TINY, "--max-steps", "6", "--accum-steps", "2", "-b", "8", "--checkpoint-dir", str(run), "--resume",
            "auto"]
-    proc = subprocess.run([sys.executable, "train_cifar.py", *one], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = python(["train_cifar.py", *one])
     assert proc.returncode != 0 and "processes 2 -> 1" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, "train_cifar.py", *one, "--allow-changed-config"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = python(["train_cifar.py", *one, "--allow-changed-config"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     assert [r["step"] for r in records(run / "metrics.jsonl") if r["type"] == "train"][-2:] == [5, 6]
@@ -120,6 +111,7 @@ def assert_resumed_exactly(live: dict, saved: dict) -> None:
     assert live["position"] == saved["position"] and torch.equal(live["rng"], saved["rng"])
 
 
+@pytest.mark.slow
 def test_either_kind_resumes_as_the_other(tmp_path, capsys, monkeypatch):
     """A plain run stopped at step 4 continues with --shard, and that one without it:
     masters, optimizer state, scaler, counters, position and RNG as saved, bit for bit;
@@ -149,6 +141,7 @@ def test_either_kind_resumes_as_the_other(tmp_path, capsys, monkeypatch):
     assert not [n for n in names if n.startswith("sharded-")] or os.path.islink(run / "best.dcp")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_before_the_stores_resumes_either_way(tmp_path, capsys, monkeypatch):
     """"mpfp16.checkpoint/1" with an "mpfp16.FP16Optimizer/1" optimizer state, as
     earlier versions wrote it: resumed as it is, and with --shard."""
@@ -172,6 +165,7 @@ def test_a_checkpoint_written_before_the_stores_resumes_either_way(tmp_path, cap
         assert_resumed_exactly(taken[-1], saved)
 
 
+@pytest.mark.slow
 def test_what_a_sharded_run_still_refuses(tmp_path, capsys):
     unsharded = [a for a in TINY if a != "--shard"]
     sharded = tmp_path / "sharded"

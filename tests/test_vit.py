@@ -24,6 +24,7 @@ TINY_VIT = ["-a", "vit_b_16", "--image-size", "32", "-b", "2", "--synthetic-size
             "-j", "0", "-p", "1", "--no-progress", "--fused", "off"]
 
 
+@pytest.mark.slow
 def test_vit_b_16_trains_in_fp16_at_the_run_image_size(tmp_path, capsys):
     status, err = run_main(train_imagenet.main, [*TINY_VIT, "--checkpoint-dir", str(tmp_path)], capsys)
     assert status == 0, err
