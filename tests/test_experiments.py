@@ -12,6 +12,7 @@ def setup():
     return common.quick(common.Setup())
 
 
+@pytest.mark.slow  # every experiment end to end
 def test_every_experiment_writes_its_section_and_plot(tmp_path, capsys):
     doc, out = tmp_path / "EXPERIMENTS.md", tmp_path / "img"
     assert cli.main(["all", "--quick", "--out", str(out), "--doc", str(doc), "--seeds", "0,1"]) == 0
@@ -59,6 +60,7 @@ def test_fractions_arithmetic():
     assert underflow.fractions(log2g, 2.0**8) == (0.0, 0.25, 0.25)
 
 
+@pytest.mark.slow  # the experiment end to end, twice
 def test_regularizer_is_deterministic(tmp_path, setup):
     a = regularizer.run(setup, [0, 1], str(tmp_path), str(tmp_path / "a.md"))["results"]
     b = regularizer.run(setup, [0, 1], str(tmp_path), str(tmp_path / "b.md"))["results"]
