@@ -13,7 +13,7 @@ import json
 import math
 import os
 
-from ..errors import UserError, one_line
+from ..errors import UserError
 from ..parallel.base import failures, get_world_size, raise_first
 from ..serialization import write_failure
 
@@ -48,7 +48,7 @@ class MetricsWriter:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
                 self._file = open(self.path, "w" if truncate else "a", encoding="utf-8")
             except OSError as exc:
-                raise UserError(f"cannot write metrics file {self.path}: {one_line(exc)}") from None
+                raise UserError(self._cannot_write(exc)) from None
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -76,8 +76,12 @@ class MetricsWriter:
                 if key not in ("step", "type", "epoch") and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(f"{prefix}/{key}", value, record["step"])
 
+    def _cannot_write(self, exc: OSError) -> str:
+        """The one line for a write to the file that failed (a full disk named so)."""
+        return f"cannot write metrics file {self.path}: {write_failure(exc, self.path)}"
+
     def _failed(self, exc: OSError) -> None:
-        self.failure = f"cannot write metrics file {self.path}: {write_failure(exc, self.path) or one_line(exc)}"
+        self.failure = self._cannot_write(exc)
         file, self._file = self._file, None
         try:
             file.close()  # it flushes what is buffered, which fails the same way
@@ -105,8 +109,7 @@ class MetricsWriter:
             try:
                 file.close()
             except OSError as exc:
-                self.failure = self.failure or (f"cannot write metrics file {self.path}: "
-                                                f"{write_failure(exc, self.path) or one_line(exc)}")
+                self.failure = self.failure or self._cannot_write(exc)
         if self._tb is not None:
             self._tb.close()
             self._tb = None
