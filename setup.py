@@ -11,6 +11,6 @@ setup(
     python_requires=">=3.11",  # the fused kernels name their code objects with co_qualname
     # torch is not pinned: install the build you want first (README); pip then keeps it.
     install_requires=["torch>=2.6", "torchvision>=0.21", "numpy", "tqdm"],
-    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis", "matplotlib", "import-linter"]},
+    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis", "matplotlib", "import-linter"]},
     license="BSD-3-Clause",
 )

@@ -13,6 +13,12 @@ import torch  # noqa: E402
 
 pytest_plugins = ["suite_rules"]
 
+# Under pytest-xdist (-n 2, pyproject.toml) each test process has a core of its own: one
+# thread each, as under torchrun, instead of two processes of two threads on two cores.
+# `pytest -n 0` runs at the machine's default threads (CI runs the fast tier so too).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""Code that runs inside the fault-injection tests (tests/test_faults.py): spawned
+"""Code that runs inside the fault-injection tests (tests/test_faults.py): worker
 training processes whose data or whose peer misbehaves on purpose."""
 
 from __future__ import annotations
@@ -78,10 +78,17 @@ def write_checkpoints_forever(path: str, numel: int) -> None:
         print(i, flush=True)
 
 
+def main(argv) -> int:
+    """``fault_workers.py PATH NUMEL``: :func:`write_checkpoints_forever` (run as a child
+    by tests/test_faults.py)."""
+    write_checkpoints_forever(argv[0], int(argv[1]))
+    return 0
+
+
 if __name__ == "__main__":
     import sys
 
-    write_checkpoints_forever(sys.argv[1], int(sys.argv[2]))
+    sys.exit(main(sys.argv[1:]))
 
 
 def recording_getitem(log_path: str):

@@ -1,12 +1,12 @@
 """The rules of the fast tier, enforced on every test that is not marked ``slow``:
 
-- it launches no Python process (a spawned worker, torchrun, a script run as a child,
+- it launches no Python process (a worker process, torchrun, a script run as a child,
   a DataLoader worker): those belong to ``slow`` tests;
 - it trains no script end to end (``mpfp16.train.engine.Trainer.fit``, what
   ``train_cifar.main`` runs): a script's flag errors and refusals before training are
   fast, its runs are ``slow``;
-- its set-up and call take at most ``FAST_LIMIT_S`` seconds (``MPFP16_FAST_LIMIT_S``
-  overrides), not counting the time torch.compile spends compiling: a kernel compiles
+- its set-up and call take at most ``FAST_LIMIT_S`` seconds at the default threads,
+  twice that at one thread (``MPFP16_FAST_LIMIT_S`` overrides), not counting the time torch.compile spends compiling: a kernel compiles
   once per machine (12 s for the first one on a cold cache here, nothing once inductor's
   cache holds it), whichever test meets it first. A fixture shared by several tests
   counts for the first that uses it.
@@ -16,6 +16,11 @@ slow"`` stays a two-minute loop. Tests marked ``cuda`` are exempt (they run on a
 machine only). Programs that are not Python (the C++ compiler inductor runs) are not
 counted, nor are inductor's own probes of the machine. Registered by conftest.py;
 ``tests/test_suite_rules.py`` checks it.
+
+Every test's launches are counted, slow ones included: ``pytest --launches`` ends with a
+table of the Python processes each file started (a torchrun counts for itself and its
+workers), new interpreters apart from forked workers: a new one costs 3-4 s of CPU here
+before it does anything, the figure to keep down when a file grows slow.
 """
 
 from __future__ import annotations
@@ -32,6 +37,16 @@ import pytest
 
 FAST_LIMIT_S = 10.0
 _SEEN = pytest.StashKey[tuple]()
+_PER_FILE = pytest.StashKey[dict]()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--launches", action="store_true",
+                     help="end with the number of Python processes each test file started")
+
+
+def pytest_configure(config):
+    config.stash[_PER_FILE] = {}
 
 
 def _compiling_s() -> float:
@@ -43,7 +58,13 @@ def _compiling_s() -> float:
 
 
 def _limit_s() -> float:
-    return float(os.environ.get("MPFP16_FAST_LIMIT_S", FAST_LIMIT_S))
+    """The bound is for a test at the machine's default threads; at one thread (a
+    pytest-xdist worker, OMP_NUM_THREADS=1) the same work takes up to twice as long."""
+    if "MPFP16_FAST_LIMIT_S" in os.environ:
+        return float(os.environ["MPFP16_FAST_LIMIT_S"])
+    import torch
+
+    return FAST_LIMIT_S * (2 if torch.get_num_threads() == 1 and (os.cpu_count() or 1) > 1 else 1)
 
 
 def _is_python(args) -> bool:
@@ -52,6 +73,13 @@ def _is_python(args) -> bool:
         return False
     program = os.path.basename(os.fsdecode(argv[0])).split()[0] if argv[0] else ""
     return os.fsdecode(argv[0]) == sys.executable or program.startswith("python") or program == "torchrun"
+
+
+def _frames():
+    frame = sys._getframe(2)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 def _from_the_compiler() -> bool:
@@ -65,17 +93,31 @@ def _from_the_compiler() -> bool:
     return False
 
 
+def processes(launch: str, forked: bool = False) -> int:
+    """How many Python processes one recorded launch stands for: a torchrun is its agent
+    and ``--nproc_per_node`` workers (per restart not counted); anything else is one.
+    ``forked``: count only forked ones (no new interpreter, torch already imported),
+    else only the others."""
+    if launch.startswith("a training run") or launch.startswith("multiprocessing fork") != forked:
+        return 0
+    argv = launch.split()
+    if "torch.distributed.run" in argv or (argv and os.path.basename(argv[0]) == "torchrun"):
+        nproc = argv[argv.index("--nproc_per_node") + 1] if "--nproc_per_node" in argv else "1"
+        return 1 + (int(nproc) if nproc.isdigit() else 1)
+    return 1
+
+
 @contextlib.contextmanager
 def _recording_launches(launches: list):
     popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
 
     def init(self, args, *a, **kw):
         if _is_python(args) and not _from_the_compiler():
-            launches.append(" ".join(os.fsdecode(x) for x in (args if not isinstance(args, str) else [args]))[:120])
+            launches.append(" ".join(os.fsdecode(x) for x in (args if not isinstance(args, str) else [args]))[:400])
         return popen_init(self, args, *a, **kw)
 
     def start(self):
-        launches.append(f"multiprocessing {self.name}")
+        launches.append(f"multiprocessing {getattr(self, '_start_method', None) or 'spawn'} {self.name}")
         return process_start(self)
 
     engine = importlib.import_module("mpfp16.train.engine")
@@ -85,24 +127,44 @@ def _recording_launches(launches: list):
         launches.append("a training run (Trainer.fit)")
         return fit(self)
 
+    fork = os.fork
+
+    def recording_fork():
+        if not any(f.f_globals.get("__name__", "").startswith("multiprocessing") for f in _frames()):
+            launches.append("multiprocessing fork (os.fork)")
+        return fork()
+
     subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = init, start
-    engine.Trainer.fit = recording_fit
+    engine.Trainer.fit, os.fork = recording_fit, recording_fork
     try:
         yield
     finally:
         subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = popen_init, process_start
-        engine.Trainer.fit = fit
+        engine.Trainer.fit, os.fork = fit, fork
 
 
 def _exempt(item) -> bool:
     return bool(item.get_closest_marker("slow") or item.get_closest_marker("cuda"))
 
 
+def _count(item, launches: list) -> None:
+    per_file = item.config.stash[_PER_FILE]
+    name = item.nodeid.split("::")[0]
+    fresh, forked = per_file.get(name, (0, 0))
+    per_file[name] = (fresh + sum(processes(launch) for launch in launches),
+                      forked + sum(processes(launch, forked=True) for launch in launches))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     """The fixtures' part: a fixture that launches (a worker group, say) counts too."""
     if _exempt(item):
-        return (yield)
+        launches: list = []
+        try:
+            with _recording_launches(launches):
+                return (yield)
+        finally:
+            _count(item, launches)
     item.stash[_SEEN] = ([], 0.0)
     start, compiling = time.perf_counter(), _compiling_s()
     with _recording_launches(item.stash[_SEEN][0]):
@@ -114,12 +176,18 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     if _exempt(item):
-        return (yield)
+        launches: list = []
+        try:
+            with _recording_launches(launches):
+                return (yield)
+        finally:
+            _count(item, launches)
     launches, took = item.stash.get(_SEEN, ([], 0.0))
     start, compiling = time.perf_counter(), _compiling_s()
     with _recording_launches(launches):
         result = yield
     took += time.perf_counter() - start - (_compiling_s() - compiling)
+    _count(item, launches)
     if launches:
         what = launches[0]
         kind = "trained a script end to end" if what.startswith("a training run") else f"launched a Python process ({what})"
@@ -129,3 +197,31 @@ def pytest_runtest_call(item):
         pytest.fail(f"a test not marked slow took {took:.1f} s with its fixtures (compiling aside), over the fast tier's {_limit_s():g} s: "
                     "make it smaller, or mark it @pytest.mark.slow", pytrace=False)
     return result
+
+
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, a worker hands its counts to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["mpfp16_launches"] = session.config.stash[_PER_FILE]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: the counts of a worker that finished."""
+    counts = getattr(node, "workeroutput", {}).get("mpfp16_launches", {})
+    per_file = node.config.stash[_PER_FILE]
+    for name, (fresh, forked) in counts.items():
+        had = per_file.get(name, (0, 0))
+        per_file[name] = (had[0] + fresh, had[1] + forked)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.getoption("launches"):
+        return
+    per_file = {name: n for name, n in config.stash[_PER_FILE].items() if any(n)}
+    terminalreporter.section("Python processes started, per test file")
+    terminalreporter.write_line("  new  forked  file (new: an interpreter that imports torch again; forked: from the fork server)")
+    for name, (fresh, forked) in sorted(per_file.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0])):
+        terminalreporter.write_line(f"{fresh:5d}  {forked:6d}  {name}")
+    terminalreporter.write_line(f"{sum(n[0] for n in per_file.values()):5d}  "
+                                f"{sum(n[1] for n in per_file.values()):6d}  in all")

@@ -2,10 +2,11 @@
 
 import json
 import os
+import types
 
 import pytest
 
-from dist_helpers import torchrun as launch
+from dist_helpers import scripts, torchrun as launch
 from mpfp16.bench import allreduce as bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +38,15 @@ def torchrun(args, tmp_path):
     return launch(["-m", "mpfp16.bench.allreduce", *args], cwd=tmp_path)
 
 
+def on_two_processes(args, tmp_path):
+    """The benchmark on 2 processes as torchrun starts them (dist_helpers.scripts; under
+    torchrun itself: test_sweep_runs_and_its_rows_are_consistent): rank 0's exit status
+    and output, as a CompletedProcess has them."""
+    [[r0, r1]] = scripts("mpfp16.bench.allreduce", [args], tmp_path / ".out", cwd=tmp_path)
+    assert r1 is not None and r1["status"] == r0["status"], (r1 or {}).get("stderr", "")[-2000:]
+    return types.SimpleNamespace(returncode=r0["status"], stdout=r0["stdout"], stderr=r0["stderr"])
+
+
 @pytest.mark.slow
 def test_sweep_runs_and_its_rows_are_consistent(tmp_path):
     proc = torchrun(["--sizes", "4K,256K", "--iters", "2", "--warmup", "1", "--json", "rows.json",
@@ -57,8 +67,8 @@ def test_sweep_runs_and_its_rows_are_consistent(tmp_path):
 
 @pytest.mark.slow
 def test_training_step_view_runs(tmp_path):
-    proc = torchrun(["--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "4", "--accum", "2",
-                     "--steps", "1", "--json", "model.json"], tmp_path)
+    proc = on_two_processes(["--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "4", "--accum", "2",
+                             "--steps", "1", "--json", "model.json"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "model.json").read_text())["rows"]
     assert len(rows) == 12  # 4 set-ups x (1 process, 2 processes, 2 processes with no_sync)
@@ -78,8 +88,8 @@ def test_training_step_view_trains_a_transformer(tmp_path):
     """Lightning's no_sync set-up on its ImageGPT size, with sequences of 2 tokens: the
     model keeps its 1024 positions, and the fp32 model sends each of its 19,702,272
     parameters once per synced micro-batch, 4 bytes each."""
-    proc = torchrun(["--model", "imagegpt-s", "--seq-len", "2", "--batch-size", "1", "--accum", "2", "--steps", "1",
-                     "--setups", "fp32", "--json", "gpt.json"], tmp_path)
+    proc = on_two_processes(["--model", "imagegpt-s", "--seq-len", "2", "--batch-size", "1", "--accum", "2",
+                             "--steps", "1", "--setups", "fp32", "--json", "gpt.json"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "imagegpt-s, batch 1 at 2 tokens" in proc.stdout
     rows = json.loads((tmp_path / "gpt.json").read_text())["rows"]
@@ -112,9 +122,10 @@ def test_step_view_compares_torch_compression_hooks_and_picks_modes(tmp_path):
     """torch's hooks on the fp32 model beside it, only the modes asked for: the fp16
     and bf16 hooks send half the fp32 bytes; PowerSGD sends less than either once its
     plain-allreduce start (2 steps, inside the warm-up) is over."""
-    proc = torchrun(["--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "2", "--accum", "1",
-                     "--steps", "1", "--modes", "sync", "--setups",
-                     "fp32,fp32-fp16-compress,fp32-bf16-compress,fp32-powersgd-r1", "--json", "hooks.json"], tmp_path)
+    proc = on_two_processes(["--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "2", "--accum", "1",
+                             "--steps", "1", "--modes", "sync", "--setups",
+                             "fp32,fp32-fp16-compress,fp32-bf16-compress,fp32-powersgd-r1", "--json", "hooks.json"],
+                            tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["key"]: r for r in json.loads((tmp_path / "hooks.json").read_text())["rows"]}
     assert all(r["processes"] == 2 and r["no_sync"] is False for r in rows.values())  # no 1-process row

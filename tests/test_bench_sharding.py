@@ -1,25 +1,20 @@
 """python -m mpfp16.bench.sharding: its command line, and the error line it reports."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from dist_helpers import check, python
+from mpfp16.bench import sharding as sharding_bench
 from mpfp16.errors import last_error_line
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
 def test_memory_table_for_one_rank(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.sharding", "memory", "--ranks", "1", "--model",
-                           "resnet9-w16", "--optimizers", "sgd", "--image-size", "32", "--json", str(out)], cwd=REPO,
-                          capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = python(["-m", "mpfp16.bench.sharding", "memory", "--ranks", "1", "--model", "resnet9-w16",
+                   "--optimizers", "sgd", "--image-size", "32", "--json", str(out)], merge=False)
+    check(proc)
     rows = json.loads(out.read_text())
     assert {r["path"] for r in rows} == {"ddp (unfused)", "ddp (fused)", "sharded"}
     sharded = next(r for r in rows if r["path"] == "sharded")
@@ -27,17 +22,21 @@ def test_memory_table_for_one_rank(tmp_path):
     assert "| 1 | sgd | sharded |" in proc.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("argv,message", [
     (["memory", "--ranks", "x"], "expected comma-separated integers"),
     (["memory", "--optimizers", "lamb"], "optimizers are sgd and adam"),
     (["trajectory", "--json", "/nonexistent/dir/out.json"], "its folder does not exist"),
 ])
-def test_bad_input_is_one_line(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.sharding", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr.strip().splitlines()[-1]
-    assert "Traceback" not in proc.stderr
+def test_bad_input_is_one_line(argv, message, capsys):
+    """Refused before anything runs: the command's main() in this process (its own
+    command line, as a user types it: test_memory_table_for_one_rank)."""
+    try:
+        status = sharding_bench.main(argv)
+    except SystemExit as exc:  # argparse
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err.strip().splitlines()[-1]
+    assert "Traceback" not in err
 
 
 def test_error_line_of_a_torchrun_worker():

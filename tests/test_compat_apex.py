@@ -5,8 +5,6 @@ import io
 import logging
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ import torch.nn as nn
 
 import mpfp16
 from apex_reference import ApexReference
+from dist_helpers import check, python
 from mpfp16.compat import apex as A
 from mpfp16.errors import CheckpointError
 from reference import batches
@@ -327,7 +326,7 @@ def _apex_checkpoint(tmp_path, kind):
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, state_path)
     writer = tmp_path / "writer.py"
     writer.write_text(APEX_WRITER)
-    subprocess.run([sys.executable, str(writer), kind, str(path), str(state_path)], check=True)
+    check(python([str(writer), kind, str(path), str(state_path)]))
     return path, model, opt
 
 

@@ -13,7 +13,7 @@ import mpfp16
 import mpfp16.distributed as mdist
 import train_cifar
 import train_imagenet
-from dist_helpers import Group, torchrun as launch
+from dist_helpers import Group, scripts
 from dist_workers import mlp
 from mpfp16.bench import compression as bench
 from mpfp16.train.config import ConfigError, TrainConfig
@@ -216,22 +216,19 @@ def test_a_resume_that_changes_the_compression_is_refused(cifar_root, tmp_path, 
                                    "continue anyway, no longer bit-identically\n")
 
 
-def torchrun(args):
-    return launch(["train_cifar.py", *args])
-
-
 @slow
-def test_a_powersgd_run_resumed_twice_under_torchrun_is_bit_identical(cifar_root, tmp_path):
+def test_a_powersgd_run_resumed_twice_on_two_processes_is_bit_identical(cifar_root, tmp_path):
     """8 steps straight == 2 (PowerSGD's first compressed step comes next), 3 more, 3
-    more; several DDP buckets (--bucket-mb 0.05), an epoch boundary at step 6."""
+    more; several DDP buckets (--bucket-mb 0.05), an epoch boundary at step 6. Four
+    runs of the script on 2 processes, as torchrun starts them (dist_helpers.scripts)."""
     common = [cifar_root, *TINY, "--epochs", "3", "--allreduce-strategy", "powersgd", "--powersgd-rank", "2",
               "--bucket-mb", "0.05"]
     straight, parts = tmp_path / "straight", tmp_path / "parts"
-    proc = torchrun(common + ["--max-steps", "8", "--checkpoint-dir", str(straight)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for steps, resume in (("2", []), ("5", ["--resume", "auto"]), ("8", ["--resume", "auto"])):
-        proc = torchrun(common + ["--max-steps", steps, "--checkpoint-dir", str(parts), *resume])
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [common + ["--max-steps", "8", "--checkpoint-dir", str(straight)]]
+    runs += [common + ["--max-steps", steps, "--checkpoint-dir", str(parts), *resume]
+             for steps, resume in (("2", []), ("5", ["--resume", "auto"]), ("8", ["--resume", "auto"]))]
+    for ranks in scripts("train_cifar", runs, tmp_path / "out"):
+        assert ranks[0] is not None and ranks[0]["status"] == ranks[1]["status"] == 0, ranks[0]["stderr"][-3000:]
     assert_same_final_state(straight / "last.pt", parts / "last.pt")
     ckpt = torch.load(parts / "last.pt", weights_only=True)
     ranks = ckpt["comm"]

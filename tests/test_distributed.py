@@ -1,6 +1,6 @@
 """Two-process gloo tests on 127.0.0.1: DDP with 16-bit gradients and FP16Optimizer.
 
-The cases run in one spawned worker group (GROUP, launched once for the module); a
+The cases run in one worker group (GROUP, launched once for the module); a
 case that patches a module, or kills a rank, gets a launch of its own."""
 
 import logging

@@ -4,8 +4,6 @@ import argparse
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,24 +11,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import dist_helpers
 import fault_workers as FW
 import train_cifar
 import train_imagenet
-from dist_helpers import free_port, run_workers
+from dist_helpers import run_workers
 from fake_data import write_fake_imagefolder
 from run_helpers import assert_same_final_state, children, kill_a_worker_once_saved, records
 from mpfp16 import checkpoint
 from mpfp16.checkpoint import file as ckpt_io
 from mpfp16.errors import CheckpointError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
-
-
-def torchrun_cmd(args, max_restarts):
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.2", "train_cifar.py", *args]
 
 
 # ----------------------------------------------------------------- 1. elastic restart
@@ -40,14 +32,14 @@ def torchrun_cmd(args, max_restarts):
 def test_elastic_restart_after_sigkill_is_bit_identical(cifar_root, tmp_path):
     # 6 steps an epoch on 2 processes: 30 steps are the whole schedule (--max-steps only shortens a run)
     args = [cifar_root, *TINY, "--epochs", "5", "--max-steps", "30", "--save-every", "4", "--resume", "auto"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    straight = subprocess.run(torchrun_cmd(args + ["--checkpoint-dir", str(tmp_path / "straight")], 0), cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=300)
-    assert straight.returncode == 0, straight.stderr[-2000:]
+    # the uninterrupted run: the same two processes, started as torchrun starts them
+    [[r0, r1]] = dist_helpers.scripts("train_cifar", [args + ["--checkpoint-dir", str(tmp_path / "straight")]],
+                                      tmp_path / "straight-out")
+    assert r0["status"] == r1["status"] == 0, r0["stderr"][-2000:]
 
     killed_dir = tmp_path / "killed"
-    proc = subprocess.Popen(torchrun_cmd(args + ["--checkpoint-dir", str(killed_dir)], 1), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = dist_helpers.torchrun(["train_cifar.py", *args, "--checkpoint-dir", str(killed_dir)], max_restarts=1,
+                                 popen=True)
     kill_a_worker_once_saved(proc, killed_dir / "last.pt")
     assert sum(r["type"] == "config" for r in records(killed_dir / "metrics.jsonl")) == 2
 
@@ -81,16 +73,13 @@ def test_sigkill_during_checkpoint_writes_never_corrupts(tmp_path):
     path = tmp_path / "last.pt"
     rng = random.Random(0)
     for trial in range(4):
-        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "fault_workers.py"), str(path),
-                                 str(10_000_000)], stdout=subprocess.PIPE, text=True)
-        done = 0
-        while done < 2:  # let a couple of writes finish, then kill one in flight
-            done = int(proc.stdout.readline())
+        proc = dist_helpers.Forked("fault_workers.py", [str(path), str(10_000_000)])
+        while len(proc.output_so_far().split()) < 2:  # let a couple of writes finish, then kill one in flight
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.3))
         proc.kill()
-        printed = [int(line) for line in proc.stdout.read().split()]
-        proc.wait()
-        last_done = max([done] + printed)
+        last_done = max(int(line) for line in proc.communicate()[0].split())
         ckpt = ckpt_io.load(str(path))
         assert ckpt["i"] in (last_done, last_done + 1)
         assert torch.equal(ckpt["payload"][:5], torch.full((5,), float(ckpt["i"])))
@@ -155,8 +144,7 @@ def test_a_dead_peer_ends_the_others_with_one_line(cifar_root, tmp_path, mode):
 def test_torchrun_without_restarts_ends_when_a_worker_is_killed(cifar_root, tmp_path):
     args = [cifar_root, *TINY, "--epochs", "20", "--dist-timeout", "20", "--save-every", "2",
             "--checkpoint-dir", str(tmp_path)]
-    proc = subprocess.Popen(torchrun_cmd(args, 0), cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = dist_helpers.torchrun(["train_cifar.py", *args], max_restarts=0, popen=True)
     while not (tmp_path / "last.pt").exists():
         assert proc.poll() is None
         time.sleep(0.02)

@@ -1,10 +1,10 @@
 """The library and the application are apart: ``import mpfp16`` is the library alone."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from dist_helpers import check, python
 
 HEAVY = ["torchvision", "tqdm", "torch._inductor", "torch._dynamo", "mpfp16.train", "mpfp16.stores.kernels"]
 
@@ -13,7 +13,9 @@ def modules_added_by(statement):
     """What ``statement`` imports beyond ``import torch`` (which brings tqdm itself)."""
     code = ("import sys, json, torch; before = set(sys.modules); " + statement +
             "; print(json.dumps(sorted(set(sys.modules) - before)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    proc = python(["-c", code], merge=False)  # a new interpreter: nothing imported yet
+    check(proc)
+    out = proc.stdout
     return set(json.loads(out.splitlines()[-1]))
 
 

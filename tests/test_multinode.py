@@ -6,11 +6,10 @@ Skipped, with the reason, where namespaces cannot be made (not root, no ip/tc)."
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-from dist_helpers import torchrun
+from dist_helpers import python, torchrun
 from mpfp16.bench import links, netem
 from run_helpers import assert_same_final_state, records
 
@@ -80,8 +79,7 @@ def test_rates_and_delays_parse_or_fail_in_one_line():
     for bad in ("fast", "-1gbit", "0gbit"):
         with pytest.raises(ValueError):
             links.parse_rate(bad)
-    proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.netem", "--rates", "fast"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = python(["-m", "mpfp16.bench.netem", "--rates", "fast"], timeout=60, merge=False)
     assert proc.returncode == 2 and "not a link rate" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -138,9 +136,8 @@ def test_two_nodes_train_identically_and_write_the_checkpoint_once(cifar_root, t
 @needs_namespaces
 def test_netem_tool_sweeps_across_the_link_and_cleans_up(tmp_path):
     out, png = tmp_path / "netem.json", tmp_path / "netem.png"
-    proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.netem", "--rates", "1gbit,4gbit", "--sizes", "4M",
-                           "--iters", "2", "--json", str(out), "--plot", str(png)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = python(["-m", "mpfp16.bench.netem", "--rates", "1gbit,4gbit", "--sizes", "4M",
+                   "--iters", "2", "--json", str(out), "--plot", str(png)], merge=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert {r["rate_gbps"] for r in data["rows"]} == {1.0, 4.0}
@@ -178,8 +175,8 @@ def test_the_compression_table_joins_the_accuracy_cost(tmp_path):
     assert "80.00 ± 1.50" in text and text.splitlines()[2].split()[-1] == "-"
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    proc = subprocess.run([sys.executable, "-m", "mpfp16.bench.netem", "--model", "resnet18", "--accuracy", str(bad)],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = python(["-m", "mpfp16.bench.netem", "--model", "resnet18", "--accuracy", str(bad)], timeout=60,
+                  merge=False)
     assert proc.returncode == 2 and "not a JSON file written by mpfp16.bench.compression" in proc.stderr
 
 

@@ -7,17 +7,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
+import dist_helpers
 import train_cifar
-from dist_helpers import free_port
 from run_helpers import assert_same_final_state, records
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
 
 
@@ -32,11 +30,11 @@ def run(argv, capsys):
 
 
 def script(argv, torchrun=False):
-    """train_cifar.py as a child process (under torchrun with 2 processes if asked)."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                "127.0.0.1", "--master_port", str(free_port())] if torchrun else [sys.executable]
-    return subprocess.Popen([*launcher, "train_cifar.py", *argv], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """train_cifar.py as a child process: under torchrun with 2 processes if asked, else
+    forked from this one (its own signals, stderr and exit status)."""
+    if torchrun:
+        return dist_helpers.torchrun(["train_cifar.py", *argv], popen=True, merge=False)
+    return dist_helpers.Forked("train_cifar.py", argv)
 
 
 def wait_for_step(metrics, step, proc, timeout=120):
@@ -255,6 +253,7 @@ def test_one_process_resumed_on_two_with_another_batch_train_each_sample_once(ci
     status, err, _ = run([cifar_root, *ONE_EPOCH, "-b", "12", "--max-steps", "3", "--checkpoint-dir", str(ck)],
                          capsys)
     assert status == 0, err
+    monkeypatch.undo()  # the workers are forks of this process: each records its own samples only
     resumed = [cifar_root, *ONE_EPOCH, "-b", "4", "--accum-steps", "2", "--resume", "auto", "--allow-changed-config",
                "--checkpoint-dir", str(ck)]
     results = run_workers(FW.script_recording_samples, tmp_path / "out", args=(resumed, str(tmp_path)), timeout=240)
@@ -350,10 +349,18 @@ def test_unwritable_places_are_found_before_training(cifar_root, tmp_path, capsy
                          ids=["sigterm", "sigint", "sigterm-torchrun"])
 def test_a_signal_mid_epoch_saves_and_the_resumed_run_is_bit_identical(cifar_root, tmp_path, sig, torchrun):
     """The run finishes its step, saves, records why it stopped, prints one line and
-    exits 128 + the signal; --resume auto then ends where an uninterrupted run ends."""
+    exits 128 + the signal; --resume auto then ends where an uninterrupted run ends.
+    Under torchrun, the run that gets the signal is torchrun's; the uninterrupted and
+    the resumed runs are the same two processes started as torchrun starts them
+    (dist_helpers.scripts), without its agent."""
     args = [cifar_root, *TINY, "--epochs", "3", "--max-steps", "30"]  # 12 steps per epoch (6 under torchrun)
-    straight = script(args + ["--checkpoint-dir", str(tmp_path / "straight")], torchrun)
-    assert straight.communicate(timeout=300) and straight.returncode == 0
+    straight_args = args + ["--checkpoint-dir", str(tmp_path / "straight")]
+    if torchrun:
+        [[r0, r1]] = dist_helpers.scripts("train_cifar", [straight_args], tmp_path / "straight-out")
+        assert r0["status"] == r1["status"] == 0, r0["stderr"][-2000:]
+    else:
+        straight = script(straight_args)
+        assert straight.communicate(timeout=300) and straight.returncode == 0
 
     parts = tmp_path / "parts"
     proc = script(args + ["--checkpoint-dir", str(parts)], torchrun)
@@ -377,8 +384,13 @@ def test_a_signal_mid_epoch_saves_and_the_resumed_run_is_bit_identical(cifar_roo
         assert err.splitlines() == [f"{signal.Signals(sig).name}: finishing this step and saving; send it again to "
                                     "stop at once", line]
 
-    resumed = script(args + ["--checkpoint-dir", str(parts), "--resume", "auto"], torchrun)
-    assert resumed.communicate(timeout=300) and resumed.returncode == 0
+    resumed_args = args + ["--checkpoint-dir", str(parts), "--resume", "auto"]
+    if torchrun:
+        [[r0, r1]] = dist_helpers.scripts("train_cifar", [resumed_args], tmp_path / "resumed-out")
+        assert r0["status"] == r1["status"] == 0, r0["stderr"][-2000:]
+    else:
+        resumed = script(resumed_args)
+        assert resumed.communicate(timeout=300) and resumed.returncode == 0
     assert_same_final_state(tmp_path / "straight" / "last.pt", parts / "last.pt")
 
 

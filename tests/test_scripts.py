@@ -4,19 +4,16 @@ as 2-process gloo runs under torchrun."""
 import argparse
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import dist_helpers
 import train_cifar
 import train_imagenet
-from dist_helpers import free_port
 from fake_data import write_fake_imagefolder
 from run_helpers import assert_same_final_state, records, run_main
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CIFAR = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
 # resnet18 has over 1M parameters: --fused off spares each run the kernel compilation,
 # except where a test asks for the fused step on purpose.
@@ -288,8 +285,7 @@ def test_an_image_size_the_model_cannot_take_is_refused_before_training(tmp_path
 
 @pytest.mark.slow
 def test_no_traceback_from_the_real_command_line(tmp_path):
-    proc = subprocess.run([sys.executable, "train_cifar.py", str(tmp_path / "absent")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = dist_helpers.python(["train_cifar.py", str(tmp_path / "absent")], timeout=120, merge=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: data path {tmp_path / 'absent'} does not exist"]
 
@@ -297,18 +293,12 @@ def test_no_traceback_from_the_real_command_line(tmp_path):
 # ----------------------------------------------------------------- torchrun, 2 processes
 
 
-def torchrun(script, args, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-
-
 @pytest.mark.slow
 def test_cifar_under_torchrun(cifar_root, tmp_path):
-    proc = torchrun("train_cifar.py", [cifar_root, *TINY_CIFAR, "--max-steps", "3", "--accum-steps", "2",
-                                       "--checkpoint-dir", str(tmp_path)], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """The command line of the README, under torchrun itself."""
+    proc = dist_helpers.torchrun(["train_cifar.py", cifar_root, *TINY_CIFAR, "--max-steps", "3", "--accum-steps",
+                                  "2", "--checkpoint-dir", str(tmp_path)], merge=False)
+    dist_helpers.check(proc)
     train = [r for r in records(tmp_path / "metrics.jsonl") if r["type"] == "train"]
     assert len(train) == 3
     assert all(r["allreduce_calls"] >= 1 and r["allreduce_bytes"] > 0 for r in train)
@@ -317,11 +307,13 @@ def test_cifar_under_torchrun(cifar_root, tmp_path):
 
 
 @pytest.mark.slow
-def test_imagenet_under_torchrun(imagenet_root, tmp_path):
-    proc = torchrun("train_imagenet.py", [imagenet_root, *TINY_IMAGENET, "--max-steps", "2",
-                                          "--allreduce-strategy", "fp32_accumulate",
-                                          "--checkpoint-dir", str(tmp_path)], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_imagenet_on_two_processes(imagenet_root, tmp_path):
+    """As torchrun starts it (dist_helpers.scripts; torchrun itself: test_cifar_under_torchrun)."""
+    [[r0, r1]] = dist_helpers.scripts("train_imagenet", [[imagenet_root, *TINY_IMAGENET, "--max-steps", "2",
+                                                    "--allreduce-strategy", "fp32_accumulate",
+                                                    "--checkpoint-dir", str(tmp_path / "ck")]], tmp_path / "out")
+    assert r0["status"] == r1["status"] == 0, r0["stderr"][-3000:]
+    tmp_path = tmp_path / "ck"
     evals = [r for r in records(tmp_path / "metrics.jsonl") if r["type"] == "eval"]
     assert evals[-1]["val_samples"] == 9  # 9 images sharded 5 + 4, each counted once
 

@@ -7,7 +7,7 @@ import torch
 
 import checkpoint_workers as CW
 import train_cifar
-from dist_helpers import python, torchrun as launch
+from dist_helpers import scripts, torchrun as launch
 from mpfp16.checkpoint import dcp
 from mpfp16.optimizer import upgrade_state_dict
 from run_helpers import assert_same_sharded_state, kill_a_worker_once_saved, records, run_main
@@ -41,10 +41,11 @@ def test_one_process_resume_mid_epoch_is_bit_identical(tmp_path, capsys, extra):
 
 
 @pytest.mark.slow
-def test_two_processes_record_reduce_scatter_and_resume_on_one(tmp_path):
+def test_two_processes_record_reduce_scatter_and_resume_on_one(tmp_path, capsys):
     run = tmp_path / "run"
-    proc = torchrun([*TINY, "--max-steps", "4", "--accum-steps", "2", "-b", "8", "--checkpoint-dir", str(run)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    [[r0, r1]] = scripts("train_cifar", [[*TINY, "--max-steps", "4", "--accum-steps", "2", "-b", "8", "--checkpoint-dir",
+                                    str(run)]], tmp_path / "out")
+    assert r0["status"] == r1["status"] == 0, r0["stderr"][-3000:]
     train = [r for r in records(run / "metrics.jsonl") if r["type"] == "train"]
     assert all(r["allreduce_calls"] == 0 and r["reduce_scatter_calls"] > 0 and r["all_gather_bytes"] > 0
                for r in train)
@@ -52,19 +53,20 @@ def test_two_processes_record_reduce_scatter_and_resume_on_one(tmp_path):
     # the same checkpoint on one process: refused as a changed setting, accepted when allowed
     one = [*TINY, "--max-steps", "6", "--accum-steps", "2", "-b", "8", "--checkpoint-dir", str(run), "--resume",
            "auto"]
-    proc = python(["train_cifar.py", *one])
-    assert proc.returncode != 0 and "processes 2 -> 1" in proc.stderr and "Traceback" not in proc.stderr
-    proc = python(["train_cifar.py", *one, "--allow-changed-config"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout
+    status, err = run_main(train_cifar.main, one, capsys)
+    assert status == 2 and "processes 2 -> 1" in err and "Traceback" not in err
+    result = run_main(train_cifar.main, one + ["--allow-changed-config"], capsys)
+    assert result[0] == 0, result[1][-3000:]
+    assert "resumed from" in result.out
     assert [r["step"] for r in records(run / "metrics.jsonl") if r["type"] == "train"][-2:] == [5, 6]
 
 
 @pytest.mark.slow
 def test_elastic_restart_after_sigkill_is_bit_identical(tmp_path):
     args = [*TINY, "--epochs", "3", "--max-steps", "20", "--save-every", "3", "--resume", "auto"]
-    straight = torchrun(args + ["--checkpoint-dir", str(tmp_path / "straight")])
-    assert straight.returncode == 0, straight.stderr[-2000:]
+    # the uninterrupted run: the same two processes, started as torchrun starts them
+    [[r0, r1]] = scripts("train_cifar", [args + ["--checkpoint-dir", str(tmp_path / "straight")]], tmp_path / "out")
+    assert r0["status"] == r1["status"] == 0, r0["stderr"][-2000:]
     killed = tmp_path / "killed"
     proc = torchrun(args + ["--checkpoint-dir", str(killed)], max_restarts=1, popen=True)
     kill_a_worker_once_saved(proc, killed / "last.dcp")

@@ -1,7 +1,7 @@
 """Sharded masters on FSDP2 (mpfp16.distributed.shard) against the DDP path, over gloo
 with 1, 2 and 4 processes (tests/sharding_workers.py).
 
-The two-rank cases run in one spawned worker group (the ``two`` fixture, launched once
+The two-rank cases run in one worker group (the ``two`` fixture, launched once
 for the module); the one- and four-rank runs get launches of their own."""
 
 import os
