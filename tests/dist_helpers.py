@@ -3,7 +3,7 @@ free port, gloo, one thread per process, a timeout, and a failure that shows the
 last error line.
 
 - :func:`run_workers`: a function on N worker processes (``torch.multiprocessing``,
-  forked where it can be: :func:`start_method`),
+  forked from a fork server: :func:`start_method`),
   returning what each returned; run several cases in one call where they can share it.
 - :class:`Group`: many cases in one worker group (one launch instead of one per
   case; each case gets a port of its own and its own result or traceback).
@@ -11,7 +11,7 @@ last error line.
 - :func:`python`: a script or module in one plain child process.
 - :func:`check`: assert a child exited as expected, else fail with its error line.
 - :func:`scripts`: a script's runs on N workers, as torchrun would start them, in one
-  worker group; :class:`Forked`: a script in one child forked from this process.
+  worker group; :class:`Forked`: a script in one child from the fork server.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ def start_method() -> str:
     process instead would be as quick but not clean: a worker would inherit what
     earlier tests left in it (autograd refuses to run in a fork of a process whose
     backward used its thread pool, as FSDP2's does; patches; environment). A worker
-    gets its environment from :func:`_entry`, not from this process's ``os.environ``."""
+    is given this process's environment and folder as they are at its launch
+    (:func:`_as_launched`), as a spawned one would have them. The server never touches
+    CUDA, so a worker may."""
     import multiprocessing
 
     if "forkserver" not in multiprocessing.get_all_start_methods():

@@ -6,9 +6,10 @@
   ``train_cifar.main`` runs): a script's flag errors and refusals before training are
   fast, its runs are ``slow``;
 - its set-up and call take at most ``FAST_LIMIT_S`` seconds at the default threads,
-  twice that at one thread (``MPFP16_FAST_LIMIT_S`` overrides), not counting the time torch.compile spends compiling: a kernel compiles
-  once per machine (12 s for the first one on a cold cache here, nothing once inductor's
-  cache holds it), whichever test meets it first. A fixture shared by several tests
+  twice that at one thread (``MPFP16_FAST_LIMIT_S`` overrides), not counting the time
+  torch.compile spends compiling: a kernel compiles once per machine (12 s for the
+  first one on a cold cache here, nothing once inductor's cache holds it), whichever
+  test meets it first. A fixture shared by several tests
   counts for the first that uses it.
 
 A test that breaks a rule fails with one line saying which, so that ``pytest -m "not
@@ -20,7 +21,8 @@ counted, nor are inductor's own probes of the machine. Registered by conftest.py
 Every test's launches are counted, slow ones included: ``pytest --launches`` ends with a
 table of the Python processes each file started (a torchrun counts for itself and its
 workers), new interpreters apart from forked workers: a new one costs 3-4 s of CPU here
-before it does anything, the figure to keep down when a file grows slow.
+before it does anything, the figure to keep down when a file grows slow. The fork server
+(one per test process, tests/dist_helpers.py) is not counted.
 """
 
 from __future__ import annotations
@@ -85,12 +87,7 @@ def _frames():
 def _from_the_compiler() -> bool:
     """Whether inductor itself is launching (it probes the machine once, on a cold
     cache, with a ``python -c``): part of compiling, not of the test."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_globals.get("__name__", "").startswith("torch._inductor"):
-            return True
-        frame = frame.f_back
-    return False
+    return any(f.f_globals.get("__name__", "").startswith("torch._inductor") for f in _frames())
 
 
 def processes(launch: str, forked: bool = False) -> int:
@@ -155,16 +152,21 @@ def _count(item, launches: list) -> None:
                       forked + sum(processes(launch, forked=True) for launch in launches))
 
 
+def _counted(item):
+    """A slow or cuda test's phase, its launches counted and nothing else checked."""
+    launches: list = []
+    try:
+        with _recording_launches(launches):
+            return (yield)
+    finally:
+        _count(item, launches)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     """The fixtures' part: a fixture that launches (a worker group, say) counts too."""
     if _exempt(item):
-        launches: list = []
-        try:
-            with _recording_launches(launches):
-                return (yield)
-        finally:
-            _count(item, launches)
+        return (yield from _counted(item))
     item.stash[_SEEN] = ([], 0.0)
     start, compiling = time.perf_counter(), _compiling_s()
     with _recording_launches(item.stash[_SEEN][0]):
@@ -176,12 +178,7 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     if _exempt(item):
-        launches: list = []
-        try:
-            with _recording_launches(launches):
-                return (yield)
-        finally:
-            _count(item, launches)
+        return (yield from _counted(item))
     launches, took = item.stash.get(_SEEN, ([], 0.0))
     start, compiling = time.perf_counter(), _compiling_s()
     with _recording_launches(launches):

@@ -31,7 +31,7 @@ def run(argv, capsys):
 
 def script(argv, torchrun=False):
     """train_cifar.py as a child process: under torchrun with 2 processes if asked, else
-    forked from this one (its own signals, stderr and exit status)."""
+    from the fork server (its own signals, stderr and exit status)."""
     if torchrun:
         return dist_helpers.torchrun(["train_cifar.py", *argv], popen=True, merge=False)
     return dist_helpers.Forked("train_cifar.py", argv)
@@ -253,7 +253,7 @@ def test_one_process_resumed_on_two_with_another_batch_train_each_sample_once(ci
     status, err, _ = run([cifar_root, *ONE_EPOCH, "-b", "12", "--max-steps", "3", "--checkpoint-dir", str(ck)],
                          capsys)
     assert status == 0, err
-    monkeypatch.undo()  # the workers are forks of this process: each records its own samples only
+    monkeypatch.undo()  # this process's run is over: its recording ends here
     resumed = [cifar_root, *ONE_EPOCH, "-b", "4", "--accum-steps", "2", "--resume", "auto", "--allow-changed-config",
                "--checkpoint-dir", str(ck)]
     results = run_workers(FW.script_recording_samples, tmp_path / "out", args=(resumed, str(tmp_path)), timeout=240)
@@ -354,13 +354,7 @@ def test_a_signal_mid_epoch_saves_and_the_resumed_run_is_bit_identical(cifar_roo
     the resumed runs are the same two processes started as torchrun starts them
     (dist_helpers.scripts), without its agent."""
     args = [cifar_root, *TINY, "--epochs", "3", "--max-steps", "30"]  # 12 steps per epoch (6 under torchrun)
-    straight_args = args + ["--checkpoint-dir", str(tmp_path / "straight")]
-    if torchrun:
-        [[r0, r1]] = dist_helpers.scripts("train_cifar", [straight_args], tmp_path / "straight-out")
-        assert r0["status"] == r1["status"] == 0, r0["stderr"][-2000:]
-    else:
-        straight = script(straight_args)
-        assert straight.communicate(timeout=300) and straight.returncode == 0
+    run_through(args + ["--checkpoint-dir", str(tmp_path / "straight")], torchrun, tmp_path / "straight-out")
 
     parts = tmp_path / "parts"
     proc = script(args + ["--checkpoint-dir", str(parts)], torchrun)
@@ -384,14 +378,19 @@ def test_a_signal_mid_epoch_saves_and_the_resumed_run_is_bit_identical(cifar_roo
         assert err.splitlines() == [f"{signal.Signals(sig).name}: finishing this step and saving; send it again to "
                                     "stop at once", line]
 
-    resumed_args = args + ["--checkpoint-dir", str(parts), "--resume", "auto"]
-    if torchrun:
-        [[r0, r1]] = dist_helpers.scripts("train_cifar", [resumed_args], tmp_path / "resumed-out")
+    run_through(args + ["--checkpoint-dir", str(parts), "--resume", "auto"], torchrun, tmp_path / "resumed-out")
+    assert_same_final_state(tmp_path / "straight" / "last.pt", parts / "last.pt")
+
+
+def run_through(argv, two_processes, out_dir):
+    """A run that must succeed, on 2 processes as torchrun starts them or on one."""
+    if two_processes:
+        [[r0, r1]] = dist_helpers.scripts("train_cifar", [argv], out_dir)
         assert r0["status"] == r1["status"] == 0, r0["stderr"][-2000:]
     else:
-        resumed = script(resumed_args)
-        assert resumed.communicate(timeout=300) and resumed.returncode == 0
-    assert_same_final_state(tmp_path / "straight" / "last.pt", parts / "last.pt")
+        proc = script(argv)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
 
 
 def assert_torchrun_got_the_signal(proc, err, sig):

@@ -130,8 +130,9 @@ def main(argv=None) -> int:
               "arch": arch, "batch_size": batch, "image_size": image}
     print("1/4 CUDA tests ...", flush=True)
     # The CUDA tests are all in tests/test_cuda.py: collecting the whole suite again took a minute.
-    report["cuda_tests"] = run_command([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                                        "tests/test_cuda.py"], timeout=240)
+    # -n 0: in one process (the suite's default is two pytest-xdist workers, pyproject.toml).
+    report["cuda_tests"] = run_command([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-n", "0", "-p",
+                                        "no:cacheprovider", "tests/test_cuda.py"], timeout=240)
     print(f"2/4 {arch} throughput ...", flush=True)
     report["throughput"] = [throughput(m, arch, batch, image, steps, warmup, device) for m in MODES]
     print("3/4 step benchmark ...", flush=True)
