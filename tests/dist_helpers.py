@@ -199,28 +199,34 @@ def check(proc, returncode: int = 0) -> None:
 # ----------------------------------------------------------------- the scripts, without new interpreters
 
 
-def _script_runs(rank: int, module: str, runs: list, ports: list, cwd: str | None) -> list:
-    """Inside each worker: ``module.main(argv)`` once per argv in ``runs``, in order,
-    each on a process group of its own (a fresh port), as one torchrun launch per run
-    would start it; stops at the first run that fails on this rank."""
+def run_captured(module: str, argv: list[str]) -> dict:
+    """``module.main(argv)`` in this process (a worker's), what it printed captured:
+    ``{"status", "stdout", "stderr"}``."""
     import contextlib
     import importlib
     import io
 
     main = importlib.import_module(module).main
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            status = main(list(argv))
+        except SystemExit as exc:  # argparse
+            status = exc.code
+    return {"status": status, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+
+
+def _script_runs(rank: int, module: str, runs: list, ports: list, cwd: str | None) -> list:
+    """Inside each worker: ``module.main(argv)`` once per argv in ``runs``, in order,
+    each on a process group of its own (a fresh port), as one torchrun launch per run
+    would start it; stops at the first run that fails on this rank."""
     if cwd is not None:
         os.chdir(cwd)
     out = []
     for argv, port in zip(runs, ports):
         os.environ["MASTER_PORT"] = str(port)
-        stdout, stderr = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            try:
-                status = main(list(argv))
-            except SystemExit as exc:  # argparse
-                status = exc.code
-        out.append({"status": status, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()})
-        if status:
+        out.append(run_captured(module, argv))
+        if out[-1]["status"]:
             break
     return out
 

@@ -346,11 +346,6 @@ def script_in_own_folder(rank, root, folders, argv, nudge_rank=None):
     (``root/folders[rank]``): with a relative --checkpoint-dir, the ranks then see
     different files under one path, as nodes without a shared file system do.
     On ``nudge_rank``, the first step moves one master weight by one ulp."""
-    import contextlib
-    import io
-
-    from mpfp16.train import cli
-
     if rank == nudge_rank:
         step = mpfp16.FP16Optimizer.step
 
@@ -364,10 +359,9 @@ def script_in_own_folder(rank, root, folders, argv, nudge_rank=None):
 
         mpfp16.FP16Optimizer.step = nudged
     os.chdir(os.path.join(root, folders[rank]))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        status = cli.run("cifar", argv)
-    return {"status": status, "stderr": err.getvalue()}
+    from dist_helpers import run_captured
+
+    return run_captured("train_cifar", argv)
 
 
 def unscale_under_ddp(rank, fused):

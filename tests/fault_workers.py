@@ -3,8 +3,6 @@ training processes whose data or whose peer misbehaves on purpose."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import time
 
@@ -30,11 +28,10 @@ def poison(from_step: int, until_step: int | None = None, ranks=(0, 1)):
 
 
 def run_cli(argv) -> dict:
-    """cli.run, with what it printed to stderr."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        status = cli.run("cifar", argv)
-    return {"status": status, "stderr": err.getvalue()}
+    """train_cifar's command line, with what it printed (dist_helpers.run_captured)."""
+    from dist_helpers import run_captured
+
+    return run_captured("train_cifar", argv)
 
 
 def nan_batch_on_one_rank(rank, argv):

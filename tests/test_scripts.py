@@ -313,8 +313,7 @@ def test_imagenet_on_two_processes(imagenet_root, tmp_path):
                                                     "--allreduce-strategy", "fp32_accumulate",
                                                     "--checkpoint-dir", str(tmp_path / "ck")]], tmp_path / "out")
     assert r0["status"] == r1["status"] == 0, r0["stderr"][-3000:]
-    tmp_path = tmp_path / "ck"
-    evals = [r for r in records(tmp_path / "metrics.jsonl") if r["type"] == "eval"]
+    evals = [r for r in records(tmp_path / "ck" / "metrics.jsonl") if r["type"] == "eval"]
     assert evals[-1]["val_samples"] == 9  # 9 images sharded 5 + 4, each counted once
 
 
