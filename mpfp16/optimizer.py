@@ -37,34 +37,78 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from .convert import HALF_DTYPES
 from .errors import FusedStepUnavailable, library_words, one_line
-from .parallel.base import any_rank, failures, is_main_process
+from .parallel.base import (all_gather_object, any_rank, failures, get_rank, get_world_size, group_ranks,
+                            is_main_process)
 from .rounding import ROUNDINGS
-from .scaler import DynamicLossScaler, LossScaler
+from .scaler import DynamicLossScaler, LossScaler, LossScaleStuckError
 from .stores import ParamStore, build_store, store_type
 from .stores.flat import is_master
 from .stores.fused import fast_path_flag, unsupported_reason
 
-__all__ = ["FP16Optimizer", "check_options", "upgrade_state_dict", "STATE_FORMAT"]
+__all__ = ["FP16Optimizer", "check_options", "upgrade_state_dict", "describe_overflow", "STATE_FORMAT",
+           "OVERFLOW_REPORTED", "MASTER_WEIGHTS"]
 
 logger = logging.getLogger("mpfp16")
 
 _SUPPORTED_DTYPES = HALF_DTYPES + (torch.float32,)
 FUSED_MIN_NUMEL = 1 << 20  # below this, fused=None keeps the unfused step (no compile time)
+OVERFLOW_REPORTED = 8  # parameters last_overflow names after a skipped step (the first, in parameter order)
+OVERFLOW_NAMED = 3  # of those, how many the skip's log line and LossScaleStuckError name
 STATE_FORMAT = "mpfp16.FP16Optimizer/2"
 # Formats written by earlier versions, and the store that wrote them.
 _EARLIER_FORMATS = {"mpfp16.FP16Optimizer/1": "flat", "mpfp16.FP16Optimizer/sharded-1": "sharded"}
 _LOCAL_STORES = ("flat", "per-tensor")  # the same state layout: either loads the other's
 
 
-def check_options(*, master_weights: bool = True, rounding: str = "nearest", max_grad_norm: float | None = None,
+ACCUMULATE_DTYPES = (None, torch.float32)  # accumulate_dtype's choices; None: the model's 16-bit dtype, as apex
+# master_weights' choices: fp32 masters; none (the 16-bit weights stepped directly); or, for bf16, the fp32 masters
+# held exactly as the bf16 weights and an int16 remainder each (docs/REMAINDER.md)
+MASTER_WEIGHTS = (True, False, "remainder")
+
+
+def _master_mode(master_weights) -> str:
+    """``FP16Optimizer.master_mode`` for a ``master_weights`` option."""
+    if isinstance(master_weights, str):
+        return master_weights
+    return "fp32" if master_weights else "none"
+
+
+def _check_remainder(*, rounding: str, sharded: bool, dtypes, say) -> None:
+    """The rules of ``master_weights="remainder"``: bf16 parameters only, unsharded,
+    rounded to nearest (``dtypes``: the parameters' dtypes, where known)."""
+    asked = say("master_weights", "remainder")
+    if sharded:
+        raise ValueError(f"{asked} is not possible for a sharded model: its fp32 shards are FSDP2's own parameters, "
+                         "from which it makes the bf16 weights at each forward and frees them after, so there is no "
+                         f"bf16 weight kept to hold the rest of a master; drop {asked}")
+    if rounding != "nearest":
+        raise ValueError(f"{say('rounding', rounding)} is for 16-bit weights stepped without masters; {asked} keeps "
+                         "exact fp32 masters, whose bf16 weights are their rounding to nearest")
+    if dtypes is None:
+        return
+    if torch.float16 in dtypes:
+        raise ValueError(f"{asked} needs bf16 parameters, and these include float16: a bf16 value is the upper half "
+                         "of an fp32 one (the same sign and 8-bit exponent), so the lower 16 bits make the master "
+                         "exact; fp16 has a 5-bit exponent and 10 mantissa bits, so it is not (every fp32 value above "
+                         "65520 rounds to the one fp16 inf, the tiny ones to 0: far more than 16 bits tell apart); "
+                         f"keep fp32 masters ({say('master_weights', True)})")
+    if torch.bfloat16 not in dtypes:
+        raise ValueError(f"{asked} needs bf16 parameters and there are none: fp32 parameters are stepped as they "
+                         f"are, with no masters to hold; drop {asked}")
+
+
+def check_options(*, master_weights: bool | str = True, rounding: str = "nearest", max_grad_norm: float | None = None,
                   fused: bool | None = None, sharded: bool = False, reduce_overflow: bool = True,
-                  say=library_words) -> None:
+                  accumulate_dtype: torch.dtype | None = None, dtypes=None, say=library_words) -> None:
     """The rules between FP16Optimizer's options, in one place: the constructor calls
     it, and so does a front end (the training scripts' config) that wants to refuse a
     combination before building anything.
 
     Args:
         sharded: the model is sharded (:func:`mpfp16.distributed.shard`).
+        dtypes: the parameters' dtypes, where known (the constructor's; a front end
+            passes its compute dtype): ``master_weights="remainder"`` needs bf16
+            parameters and no fp16 ones.
         say: ``say(name, value)`` words an option as the caller spells it (default
             ``name=value``; the scripts say ``--no-master-weights``).
 
@@ -75,12 +119,23 @@ def check_options(*, master_weights: bool = True, rounding: str = "nearest", max
         raise ValueError(f"{say('max_grad_norm', max_grad_norm)} must be positive or None")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+    if isinstance(master_weights, str) and master_weights not in MASTER_WEIGHTS:
+        raise ValueError(f"master_weights must be True, False or 'remainder', got {master_weights!r}")
+    if master_weights == "remainder":
+        _check_remainder(rounding=rounding, sharded=sharded, dtypes=dtypes, say=say)
     if rounding != "nearest" and master_weights:
         raise ValueError(f"{say('rounding', rounding)} needs {say('master_weights', False)}: it rounds 16-bit "
                          "weights stepped directly")
+    if accumulate_dtype not in ACCUMULATE_DTYPES:
+        raise ValueError(f"{say('accumulate_dtype', accumulate_dtype)} must be None (the model's 16-bit dtype) or "
+                         "torch.float32")
     if not sharded:
         return
     where = "a sharded model"
+    if accumulate_dtype is not None:
+        raise ValueError(f"{say('accumulate_dtype', accumulate_dtype)} is not possible for {where}: FSDP2 sums the "
+                         "micro-batches' unsharded gradients itself, in its reduce_dtype: for an fp32 sum, shard with "
+                         f"{say('reduce_dtype', torch.float32)} instead")
     if not master_weights:
         raise ValueError(f"{say('master_weights', False)} has no meaning for {where}: its sharded fp32 parameters "
                          "are the master weights, from which FSDP2 makes the 16-bit weights at each forward; drop "
@@ -92,6 +147,18 @@ def check_options(*, master_weights: bool = True, rounding: str = "nearest", max
     if not reduce_overflow:
         raise ValueError(f"{say('reduce_overflow', False)} is not possible for {where}: each rank sees only its "
                          "own shards' inf/NaN, so the ranks would make different skip decisions")
+
+
+def describe_overflow(report: list[dict], named: int = OVERFLOW_NAMED) -> str:
+    """``last_overflow`` in words: ``nan in fc.weight (12), inf in fc.bias (3) and 2
+    more, the loss non-finite on rank 1``; ``""`` for ``[]``."""
+    words = ", ".join(f"{e['kind']} in {e['name']} ({e['count']})" for e in report[:named])
+    if len(report) > named:
+        words += f" and {len(report) - named} more"
+    ranks = report[0]["ranks"] if report else []
+    if ranks:
+        words += f", the loss non-finite on rank{'s' * (len(ranks) > 1)} {', '.join(str(r) for r in ranks)}"
+    return words
 
 
 def upgrade_state_dict(state_dict) -> dict:
@@ -146,7 +213,15 @@ class FP16Optimizer(torch.optim.Optimizer):
         master_weights: keep fp32 masters of the 16-bit parameters. ``False`` steps
             the 16-bit weights directly: the update is computed in fp32 inside
             ``step()`` and the new weight is rounded to the parameter's dtype, and no
-            fp32 copy of the weights exists between steps.
+            fp32 copy of the weights exists between steps. ``"remainder"`` (bf16
+            parameters only): the fp32 masters are kept exactly, but as the bf16
+            weights and an int16 remainder per parameter, 2 bytes where an fp32
+            master takes 4; each step rebuilds them bit for bit, steps them, and
+            splits them again, and the bf16 weight is the master rounded to nearest
+            with ties away from zero (round-to-nearest-even cannot be exact in 16
+            bits: docs/REMAINDER.md). Then ``master_weights`` is True and
+            ``master_mode`` is ``"remainder"`` (``"fp32"`` or ``"none"`` otherwise);
+            the state_dict holds fp32 masters, and loads with either.
         max_grad_norm: clip the global 2-norm of the unscaled fp32 gradients.
         model: if given, every parameter of ``optimizer`` must belong to it, and the
             state_dict names them. Required for a sharded model.
@@ -179,6 +254,21 @@ class FP16Optimizer(torch.optim.Optimizer):
             ``"kahan"`` (a 16-bit compensation buffer carries each rounding's error
             into the next update; 2 more bytes per parameter). With master weights
             only ``"nearest"`` applies.
+        accumulate_dtype: how the gradients of a step's micro-batches are summed.
+            ``None`` (default): in the model's 16-bit ``.grad``, as apex does (each
+            addition rounds to 16 bits). ``torch.float32``: each :meth:`backward` adds
+            the fresh 16-bit gradients into fp32 buffers and zeroes them, and
+            ``step()`` unscales the fp32 sum (4 bytes per 16-bit parameter, also with
+            the fused step). The sum belongs to one step: the first backward after a
+            step or ``zero_grad()`` starts it at zero. Under DDP wrapped by
+            :func:`mpfp16.distributed.wrap`, the one exchange of a step (the last
+            micro-batch, outside ``sync_gradients(model, False)``) carries the sum:
+            the 16-bit rounding of (fp32 sum + that micro-batch), or with
+            ``allreduce_dtype=torch.float32`` the fp32 sum itself
+            (:mod:`mpfp16.parallel.accumulation`). A step whose sum no exchange carried
+            while this rank steps with others (a stock DDP) raises; so do gradients
+            computed outside :meth:`backward`. Refused for a sharded model (FSDP2 sums
+            in its ``reduce_dtype``).
 
     Every parameter the inner optimizer holds belongs to the store, frozen or not, and
     is stepped in a step where it requires grad: a layer unfrozen after the optimizer
@@ -193,7 +283,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         loss_scale: str | float | LossScaler | None = "dynamic",
-        master_weights: bool = True,
+        master_weights: bool | str = True,
         max_grad_norm: float | None = None,
         *,
         model: torch.nn.Module | None = None,
@@ -203,6 +293,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         fused: bool | None = None,
         rounding: str = "nearest",
         rounding_seed: int = 0,
+        accumulate_dtype: torch.dtype | None = None,
     ) -> None:
         if isinstance(optimizer, FP16Optimizer):
             raise TypeError("the optimizer is already an FP16Optimizer; wrap the inner optimizer once")
@@ -212,24 +303,30 @@ class FP16Optimizer(torch.optim.Optimizer):
         params = self._held_params(model)
         kind = store_type(params)
         check_options(master_weights=master_weights, rounding=rounding, max_grad_norm=max_grad_norm, fused=fused,
-                      sharded=kind.kind == "sharded", reduce_overflow=reduce_overflow)
+                      sharded=kind.kind == "sharded", reduce_overflow=reduce_overflow,
+                      accumulate_dtype=accumulate_dtype, dtypes={p.dtype for p in params})
         refusal = kind.refusal(process_group=process_group, model=model)
         if refusal:
             raise ValueError(refusal)
         self.rounding = rounding
-        self.master_weights = bool(master_weights)
+        self.master_weights = bool(master_weights)  # "remainder" keeps masters too (held otherwise): True
+        self.master_mode = _master_mode(master_weights)
         self.max_grad_norm = max_grad_norm
         self.track_grad_norm = bool(track_grad_norm)
         self.reduce_overflow = reduce_overflow
         self.skipped_steps = 0
         self.iteration = 0  # optimizer steps attempted, skipped ones included
         self._last_grad_norm: torch.Tensor | None = None
+        self._last_overflow: list[dict] = []
+        self._loss_finite: torch.Tensor | None = None  # isfinite(loss) of this step's backward() calls, on device
 
         reason = unsupported_reason(optimizer)
         if fused and reason:
             raise ValueError(f"fused=True is not possible: {reason}")
-        self.store: ParamStore = build_store(optimizer, params, model=model, master_weights=self.master_weights,
-                                             rounding=rounding)
+        self.accumulate_dtype = accumulate_dtype
+        masters = "remainder" if self.master_mode == "remainder" else self.master_weights
+        self.store: ParamStore = build_store(optimizer, params, model=model, master_weights=masters,
+                                             rounding=rounding, accumulate=accumulate_dtype is not None)
         # The ranks that agree on a skip: those the store reduces its norm over, if it
         # reduces one (a sharded model's mesh), else the caller's group.
         self.process_group = self.store.group if self.store.group is not None else process_group
@@ -356,9 +453,9 @@ class FP16Optimizer(torch.optim.Optimizer):
         """The fp32 tensors the inner optimizer steps, in its parameter order: the
         masters of the 16-bit parameters and the fp32 parameters themselves (the
         shards of a sharded model). After :meth:`unscale_` their ``.grad`` holds the
-        unscaled fp32 gradients. Without master weights the masters of 16-bit
-        parameters hold values only inside ``step()``; their gradients are there after
-        ``unscale_()``."""
+        unscaled fp32 gradients. Without master weights, and with remainders
+        (``master_weights="remainder"``), the masters of 16-bit parameters hold values
+        only inside ``step()``; their gradients are there after ``unscale_()``."""
         return list(self.store.stepped)
 
     def param_names(self) -> list[str | None] | None:
@@ -380,6 +477,29 @@ class FP16Optimizer(torch.optim.Optimizer):
         None when neither clipping nor tracking, and after a skipped step."""
         return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
+    @property
+    def last_overflow(self) -> list[dict]:
+        """After a skipped step, the parameters whose gradient held inf or NaN: the
+        first :data:`OVERFLOW_REPORTED` in parameter order, one dict each, plain values
+        (JSON-serializable):
+
+        - ``name``: the parameter's name in ``model=``, else ``"param 3 [64, 32]"``
+          (its index in :meth:`model_params` and its shape);
+        - ``kind``: ``"nan"`` if the gradient holds a NaN, else ``"inf"``;
+        - ``count``: how many of its elements are of that kind (NaN wins: a gradient
+          with both counts its NaNs);
+        - ``ranks``: the ranks whose loss in ``backward()`` was inf or NaN this step
+          (the same list in every entry; ``[]`` when every loss was finite: the
+          overflow arose inside the backward pass).
+
+        The gradients scanned are those the step read (the 16-bit ones, or the fp32
+        ones where the step copied or summed them there), and only once a step was
+        found to overflow: a clean step costs nothing more. Under torch.distributed
+        the ranks' reports are gathered on the skip (every rank skips together), and
+        every rank holds their union: a sharded model's counts add up its shards.
+        ``[]`` before any step and after a clean one."""
+        return self._last_overflow
+
     def add_param_group(self, param_group: dict) -> None:
         if self._constructing:  # torch.optim.Optimizer.__init__ registers the inner groups
             return super().add_param_group(param_group)
@@ -390,23 +510,34 @@ class FP16Optimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"FP16Optimizer(master_weights={self.master_weights}, scaler={self.scaler!r}, "
+            f"FP16Optimizer(master_weights={self.master_weights if self.master_mode != 'remainder' else 'remainder'!r}, "
+            f"scaler={self.scaler!r}, "
             f"max_grad_norm={self.max_grad_norm}, store={self.store.kind}, fused={self.fused},\n  {self.optimizer!r})"
         )
 
     # ------------------------------------------------------------------ the step
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """Run ``(loss.float() * loss_scale).backward(**kwargs)``."""
+        """Run ``(loss.float() * loss_scale).backward(**kwargs)``; with
+        ``accumulate_dtype=torch.float32``, then add the 16-bit gradients into the fp32
+        sums and zero them."""
         scale = self.scaler.scale
         scaled_loss = loss.float() if scale == 1.0 else loss.float() * scale
         self._backward_scale = scale  # what the gradients are unscaled by, should the scale change before
         self._watch_gradients()
+        if self.accumulate_dtype is not None:
+            self.store.open_sums()
+        # For last_overflow: whether this rank's loss was finite, on the device (no host sync).
+        finite = torch.isfinite(loss.detach())
+        finite = finite.all() if finite.dim() else finite
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
         self._in_backward = True
         try:
             scaled_loss.backward(**kwargs)
         finally:
             self._in_backward = False
+        if self.accumulate_dtype is not None:
+            self.store.accumulate()
         if not self.store.hooks_gradients:  # the store's gradients arrive where no hook sees them (FSDP2)
             self._backward_ran = True
             self._grads_after_unscale |= self._unscaled is not None
@@ -425,6 +556,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         self._backward_ran = False
         self._unscaled: torch.Tensor | None = None  # found_inf, once unscale_() ran in this step
         self._backward_scale: float | None = None
+        self._loss_finite = None
 
     def _watch_gradients(self) -> None:
         """(Re-)register the hook that sees gradients arrive, over the parameters that
@@ -517,10 +649,13 @@ class FP16Optimizer(torch.optim.Optimizer):
             self._refuse_grads_after_unscale()
         overflow = self._agree_on_overflow(found_inf)
         self.iteration += 1
+        loss_finite = self._loss_finite
         self._new_step()
         if overflow:
-            self._skip()
+            self._skip(loss_finite)
             return False
+        if self._last_overflow:
+            self._last_overflow = []
         clip_coef = self._clip()
         self.store.update(clip_coef, self._rounding_rng)
         self.store.copy_back()
@@ -540,11 +675,31 @@ class FP16Optimizer(torch.optim.Optimizer):
             arrived, outside = present, present and not self._backward_ran
         if not arrived:
             raise RuntimeError(self.store.no_gradient_message())
+        if self.accumulate_dtype is not None:
+            self._check_sum_carried(outside)
         if self.scaler.scale != 1.0 and outside:
             raise RuntimeError(
                 f"gradients were computed outside opt.backward() while the loss scale is "
                 f"{self.scaler.scale:g}; they would be unscaled wrongly. Call opt.backward(loss)"
             )
+
+    def _check_sum_carried(self, outside: bool) -> None:
+        """With fp32 accumulation: refuse gradients that never reached the fp32 sum
+        (computed outside ``backward()``), and, when this rank steps with others, a
+        sum that no exchange carried: a stock DistributedDataParallel (or an allreduce
+        of ``.grad`` by hand) sent the last micro-batch's gradient, or nothing, so
+        the replicas would diverge. Every rank of such a job finds the same."""
+        if outside:
+            raise RuntimeError("gradients were computed outside opt.backward() with accumulate_dtype=torch.float32: "
+                               "only opt.backward(loss) adds them into the fp32 sum, so they would be lost; call "
+                               "opt.backward(loss)")
+        if self.store.accumulates and not self.store.carried and self.reduce_overflow and (
+                get_world_size(self.process_group) > 1):
+            raise RuntimeError(
+                "accumulate_dtype=torch.float32 under torch.distributed needs mpfp16's DDP hook: no exchange carried "
+                "the fp32 gradient sum in this step (a stock DistributedDataParallel sends the last micro-batch's "
+                "16-bit gradient, which is zero by then, or nothing), so the replicas would diverge; wrap the model "
+                "with mpfp16.distributed.wrap, or pass reduce_overflow=False if this rank trains alone")
 
     def _prepare_store(self, fp32_grads: bool) -> None:
         """Before the first step that needs them: let the store compile its kernels
@@ -599,19 +754,61 @@ class FP16Optimizer(torch.optim.Optimizer):
 
     # Phase 4: skip, or clip.
 
-    def _skip(self) -> None:
-        """An inf/NaN gradient. Nothing is stepped; the scale backs off."""
+    def _skip(self, loss_finite: torch.Tensor | None = None) -> None:
+        """An inf/NaN gradient. Nothing is stepped; the scale backs off. First, while
+        the gradients the step read are still there, :attr:`last_overflow` names the
+        parameters that held it (``loss_finite``: what :meth:`backward` recorded)."""
         self.skipped_steps += 1
         self._last_grad_norm = None
+        self._record_overflow(loss_finite)
         self.zero_grad()
         self.store.skip()
         old_scale = self.scaler.scale
-        self.scaler.update(True, step=self.iteration)
+        try:
+            self.scaler.update(True, step=self.iteration)
+        except LossScaleStuckError as exc:
+            raise self._naming_culprits(exc) from None
         if is_main_process():
+            found = describe_overflow(self._last_overflow)
             logger.info(
-                "step %d skipped: inf/NaN in the gradients; loss scale %g -> %g (%d skipped so far)",
-                self.iteration, old_scale, self.scaler.scale, self.skipped_steps,
+                "step %d skipped: inf/NaN in the gradients%s; loss scale %g -> %g (%d skipped so far)",
+                self.iteration, f": {found}" if found else "", old_scale, self.scaler.scale, self.skipped_steps,
             )
+
+    def _record_overflow(self, loss_finite: torch.Tensor | None, before_unscale: bool = False) -> None:
+        """Set :attr:`last_overflow` from the store's scan of this rank's gradients
+        (``before_unscale``: as an unscale would read them now), gathered over the
+        process group: on a skip every rank of it is here (the skip was agreed), so
+        the one all-gather is safe, and it runs on skipped steps only."""
+        local = self.store.nonfinite_grads(OVERFLOW_REPORTED, before_unscale=before_unscale)
+        bad_loss = loss_finite is not None and not bool(loss_finite)
+        if self.reduce_overflow and get_world_size(self.process_group) > 1:
+            reports = all_gather_object((local, bad_loss), group=self.process_group)
+            ranks = group_ranks(self.process_group)
+        else:
+            reports, ranks = [(local, bad_loss)], [get_rank()]
+        counts: dict[int, tuple[int, int]] = {}
+        for entries, _ in reports:  # a sharded store's ranks count their own shards; replicas, the same gradient
+            for index, nans, infs in entries:
+                n, i = counts.get(index, (0, 0))
+                counts[index] = (n + nans, i + infs) if self.store.shards_gradients else (max(n, nans), max(i, infs))
+        loss_ranks = [rank for rank, (_, bad) in zip(ranks, reports) if bad]
+        self._last_overflow = [
+            {"name": self._param_label(index), "kind": "nan" if nans else "inf", "count": nans or infs,
+             "ranks": list(loss_ranks)}
+            for index, (nans, infs) in sorted(counts.items())[:OVERFLOW_REPORTED]]
+
+    def _param_label(self, index: int) -> str:
+        name = self._names[index] if self._names is not None else None
+        return name if name is not None else f"param {index} {self._shapes[index]}"
+
+    def _naming_culprits(self, exc: LossScaleStuckError) -> LossScaleStuckError:
+        """``exc`` (the scaler's, which knows no names) with the parameters that held
+        inf/NaN at the last step appended, still one line; also as ``.overflow``."""
+        found = describe_overflow(self._last_overflow)
+        error = LossScaleStuckError(f"{exc} At the last step: {found}." if found else str(exc))
+        error.overflow = self._last_overflow
+        return error
 
     def _clip(self) -> torch.Tensor | None:
         """The factor the gradients are multiplied by, as ``clip_grad_norm_`` computes
@@ -631,11 +828,13 @@ class FP16Optimizer(torch.optim.Optimizer):
         """Bytes held between steps per parameter the optimizer holds, by kind of buffer.
 
         Keys: ``model_weights``, ``model_grads``, ``master_weights``,
-        ``master_grads``, ``optimizer_state``, ``compensation`` (Kahan rounding) and
-        ``total``. Measured from the storages actually allocated (flat-buffer alignment
-        gaps included), so for a large model fp16 with masters and SGD-momentum reads
-        2 + 2 + 4 + 4 + 4 = 16 with ``fused=False`` (2 + 2 + 4 + 0 + 4 = 12 fused: no
-        fp32 gradients), and without masters 2 + 2 + 0 + 0 + 4 = 8. A sharded model
+        ``master_grads``, ``optimizer_state``, ``compensation`` (Kahan rounding),
+        ``master_remainder`` (``master_weights="remainder"``) and ``total``. Measured
+        from the storages actually allocated (flat-buffer alignment gaps included), so
+        for a large model fp16 with masters and SGD-momentum reads 2 + 2 + 4 + 4 + 4 =
+        16 with ``fused=False`` (2 + 2 + 4 + 0 + 4 = 12 fused: no fp32 gradients), and
+        without masters 2 + 2 + 0 + 0 + 4 = 8; bf16 with remainders reads
+        ``master_weights`` 0 and ``master_remainder`` 2 (10 fused). A sharded model
         reports this rank's shards per parameter of the whole model.
         """
         return self.store.memory()
@@ -653,6 +852,7 @@ class FP16Optimizer(torch.optim.Optimizer):
             "inner_optimizer": type(self.optimizer).__name__,
             "optimizer": self.optimizer.state_dict(),
             "master_weights": self.master_weights,
+            "master_mode": self.master_mode,
             "param_names": self.param_names(),
             "param_shapes": self._shapes,
             "param_dtypes": self._dtypes,
@@ -697,9 +897,13 @@ class FP16Optimizer(torch.optim.Optimizer):
         if saved_masters is None:  # written before the flag was saved: masters of 16-bit parameters tell
             saved_masters = any(m is not None for m, dtype in zip(state_dict["master_params"], self._dtypes)
                                 if dtype != "float32")
+        # master_weights=True and "remainder" both keep masters (the state_dict holds them in fp32, rebuilt), so
+        # either loads the other's: only masters against none is refused.
         if getattr(self.store, "has_half", False) and bool(saved_masters) != self.master_weights:
-            raise ValueError(f"the state_dict was saved with master_weights={bool(saved_masters)} and this "
-                             f"optimizer has master_weights={self.master_weights}")
+            saved_option = "'remainder'" if state_dict.get("master_mode") == "remainder" else bool(saved_masters)
+            option = "'remainder'" if self.master_mode == "remainder" else self.master_weights
+            raise ValueError(f"the state_dict was saved with master_weights={saved_option} and this "
+                             f"optimizer has master_weights={option}")
         if state_dict.get("rounding", "nearest") != self.rounding:
             raise ValueError(f"the state_dict was saved with rounding={state_dict.get('rounding', 'nearest')!r} "
                              f"and this optimizer uses rounding={self.rounding!r}")

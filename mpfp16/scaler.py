@@ -51,7 +51,11 @@ def _f32(x: float) -> float:
 
 
 class LossScaleStuckError(RuntimeError):
-    """Raised when gradients keep overflowing although the scale cannot go lower."""
+    """Raised when gradients keep overflowing although the scale cannot go lower.
+
+    The scaler knows no parameters: raised through an FP16Optimizer, the one line
+    ends with those whose gradient held inf/NaN at the last step (and the ranks whose
+    loss was not finite), and ``.overflow`` is that step's ``last_overflow``."""
 
 
 class LossScaler:

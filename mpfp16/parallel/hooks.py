@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..errors import compile_errors, one_line
+from . import accumulation
 from .powersgd import PowerSGDMemory
 
 __all__ = ["STRATEGIES", "MPFP16_STRATEGIES", "TORCH_STRATEGIES", "CommStats", "HookState", "allreduce_hook",
@@ -195,11 +196,19 @@ class HookState:
 def allreduce_hook(state: HookState, bucket):  # DDP rejects string annotations on `bucket`
     """Average a bucket with one ``all_reduce`` in ``state.allreduce_dtype`` (default:
     the bucket's dtype), dividing by ``predivide_factor`` before the sum and by
-    ``world_size / predivide_factor`` after it."""
+    ``world_size / predivide_factor`` after it.
+
+    Parameters with an fp32 gradient sum (:mod:`mpfp16.parallel.accumulation`) send
+    it: rounded once to 16 bits with this micro-batch added, or, on an fp32 wire, as
+    it is, the average then landing in the sums."""
     buf = bucket.buffer()
     world = dist.get_world_size(state.group)
     wire_dtype = state.allreduce_dtype or buf.dtype
+    carry = accumulation.Carry.of(bucket)
+    if carry is not None and wire_dtype == buf.dtype:
+        carry.fold()
     wire = buf if wire_dtype == buf.dtype else buf.to(wire_dtype)
+    pieces = carry.fold_into(wire, buf) if carry is not None and wire is not buf else None
     pre = state.predivide_factor
     post = world / pre
     if pre != 1.0:
@@ -213,6 +222,8 @@ def allreduce_hook(state: HookState, bucket):  # DDP rejects string annotations 
             result.div_(post)
         if result is not buf:
             buf.copy_(result)
+        if carry is not None:
+            carry.land(pieces)
         state.stats.finished()
         return buf
 
@@ -349,10 +360,15 @@ def fp32_accumulate_hook(state: HookState, bucket):
     buf = bucket.buffer()
     if buf.dtype == torch.float32 or dist.get_world_size(state.group) == 1:
         return allreduce_hook(state, bucket)
+    carry = accumulation.Carry.of(bucket)
+    if carry is not None:
+        carry.fold()
     state.stats.launched(buf.numel(), torch.float32 if buf.numel() < state.small_numel else buf.dtype)
 
     def run() -> None:
         average_fp32_accumulate(state, buf)
+        if carry is not None:
+            carry.land()
         state.stats.finished()
 
     fut: torch.futures.Future = torch.futures.Future()

@@ -28,9 +28,12 @@ def store_type(params: list[torch.Tensor]) -> type[ParamStore]:
     return ShardedStore if holds_sharded(params) else FlatStore
 
 
-def build_store(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *, model, master_weights: bool,
-                rounding: str) -> ParamStore:
-    """The store for ``params`` (every parameter ``optimizer`` holds, in its order)."""
+def build_store(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *, model, master_weights: bool | str,
+                rounding: str, accumulate: bool = False) -> ParamStore:
+    """The store for ``params`` (every parameter ``optimizer`` holds, in its order);
+    ``accumulate``: sum the micro-batches' 16-bit gradients in fp32 (a local store;
+    the optimizer's options refuse it for a sharded one)."""
     if holds_sharded(params):
         return ShardedStore(optimizer, params, model)
-    return build_local_store(optimizer, params, master_weights=master_weights, rounding=rounding)
+    return build_local_store(optimizer, params, master_weights=master_weights, rounding=rounding,
+                             accumulate=accumulate)

@@ -17,6 +17,10 @@ order and asks the store for each one that depends on the layout:
 ``update(clip_coef)`` and ``copy_back()``
     phases 5 and 6: the inner optimizer's arithmetic on the fp32 values, then the
     new 16-bit weights.
+``nonfinite_grads(limit, before_unscale)``
+    after a step found an overflow, and only then: which parameters' gradients, as
+    the step read them, hold inf or NaN (:func:`find_nonfinite`, the one scan every
+    store uses), for ``FP16Optimizer.last_overflow``.
 ``zero_grad(set_to_none)``, ``skip()``, ``copy_masters_to_model()``,
 ``memory()``, ``state()`` / ``check_state()`` / ``load_state()``
     the rest of the optimizer's surface that depends on where the tensors are.
@@ -34,7 +38,7 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["ParamStore", "inv_scale_tensor", "unscale_and_check", "total_norm", "storage_bytes"]
+__all__ = ["ParamStore", "inv_scale_tensor", "unscale_and_check", "find_nonfinite", "total_norm", "storage_bytes"]
 
 
 def inv_scale_tensor(scale: float, device: torch.device) -> torch.Tensor:
@@ -61,6 +65,36 @@ def unscale_and_check(grads: list[torch.Tensor], scale: float) -> torch.Tensor:
     for other in found[1:]:
         first += other.to(first.device)
     return first
+
+
+def _by_device(items: list) -> dict:
+    by_device: dict[torch.device, list] = defaultdict(list)
+    for item in items:
+        by_device[item[1].device].append(item)
+    return by_device
+
+
+def find_nonfinite(pairs, limit: int) -> list[tuple[int, int, int]]:
+    """``(index, NaN count, inf count)`` for the ``limit`` smallest indices of ``pairs``
+    (``(index, gradient tensor)``; None or empty tensors are passed over) whose tensor
+    holds NaN or inf, in increasing index order. Meant for a step already found to
+    overflow: one read of every tensor (its minimum and maximum, which are NaN, -inf
+    or inf where it holds any: no temporary, unlike ``abs().max()``) and one host read
+    per device find which hold non-finite values; only those reported are then
+    counted, with one more host read per device."""
+    items = sorted(((i, t) for i, t in pairs if t is not None and t.numel()), key=lambda item: item[0])
+    flagged = []
+    for device_items in _by_device(items).values():
+        ends = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in device_items])
+        bad = (~torch.isfinite(ends).all(dim=1)).tolist()
+        flagged += [item for item, b in zip(device_items, bad) if b]
+    flagged = sorted(flagged, key=lambda item: item[0])[:limit]
+    found = []
+    for device_items in _by_device(flagged).values():
+        counts = torch.stack([torch.stack([torch.count_nonzero(t.isnan()), torch.count_nonzero(t.isinf())])
+                              for _, t in device_items]).tolist()
+        found += [(i, nans, infs) for (i, _), (nans, infs) in zip(device_items, counts)]
+    return sorted(found)
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -97,6 +131,7 @@ class ParamStore:
 
     kind = "abstract"
     group = None
+    shards_gradients = False  # each rank holds a part of every gradient (their counts add up across ranks)
     hooks_gradients = True  # autograd's hooks on ``params`` see their gradients arrive
 
     def __init__(self) -> None:
@@ -163,6 +198,15 @@ class ParamStore:
         raise NotImplementedError
 
     def copy_back(self) -> None:
+        raise NotImplementedError
+
+    def nonfinite_grads(self, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
+        """``(index in params, NaN count, inf count)`` of the first ``limit``
+        parameters (in ``params`` order) whose gradient holds inf or NaN, as the step's
+        :meth:`unscale` read it (:func:`find_nonfinite`); with ``before_unscale``, as
+        an unscale would read it now (mpfp16.compat.apex finds overflows before it
+        unscales). Called only once a step was found to overflow, before the gradients
+        are zeroed; this rank's gradients alone (a sharded store's: its shards)."""
         raise NotImplementedError
 
     def skip(self) -> None:

@@ -34,8 +34,10 @@ import torch
 
 from .. import flat
 from ..convert import HALF_DTYPES
-from ..rounding import write_weights
-from .base import ParamStore, storage_bytes, total_norm, unscale_and_check
+from ..parallel import accumulation
+from ..parallel.accumulation import SumOwner
+from ..rounding import join_remainder, split_remainder, write_weights
+from .base import ParamStore, find_nonfinite, storage_bytes, total_norm, unscale_and_check
 from .segments import runs
 
 __all__ = ["FlatGroup", "PerTensorGroup", "FlatStore", "PerTensorStore", "is_master", "build_local_store"]
@@ -64,11 +66,17 @@ class FlatGroup:
             weights (``transient``) the fp32 buffers have memory only inside a step.
         segments: runs of parameters of one param group.
         comp: Kahan rounding's 16-bit compensation buffer, or None.
+        remainder: with ``master_weights="remainder"`` (a bf16 group), the int16
+            remainders that with the bf16 weights hold the fp32 masters exactly
+            (mpfp16.rounding.split_remainder), else None. Such a group is
+            ``transient``: the fp32 masters are rebuilt from the two inside a step,
+            and split again into them after it.
     """
 
     per_tensor = False
+    accumulating = False  # the store sums this group's 16-bit gradients in fp32 (master_grads)
 
-    def __init__(self, placed: flat.FlatParams, master_weights: bool, group_of: dict[int, int],
+    def __init__(self, placed: flat.FlatParams, master_weights: bool | str, group_of: dict[int, int],
                  kahan: bool = False) -> None:
         self._setup(placed.params, placed.layout, master_weights, group_of, kahan)
         self.weights = placed.data
@@ -88,9 +96,12 @@ class FlatGroup:
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.half = self.dtype in HALF_DTYPES
-        self.transient = self.half and not master_weights
+        self.transient = self.half and (not master_weights or master_weights == "remainder")
         self.segments = runs([(group_of[id(p)],) for p in self.params], layout)
         self.comp = layout.empty(self.dtype, self.device) if kahan and self.half else None
+        # Zero: a bf16 weight is an fp32 value whose lower 16 bits are zero.
+        self.remainder = (layout.empty(torch.int16, self.device) if master_weights == "remainder" and self.half
+                          else None)
         self._data_ptrs = [p.data_ptr() for p in self.params]
         # The step writes the weights through the flat buffer (or the parameters'
         # own storage), which leaves each parameter's own version counter alone; a
@@ -166,10 +177,20 @@ class FlatGroup:
                     self.master_views[i].copy_(p)
                 if self.comp is not None:
                     self.layout.views(self.comp)[i].zero_()
+                if self.remainder is not None:  # the master is the new bf16 weight, exactly
+                    self.layout.views(self.remainder)[i].zero_()
 
     def model_grads(self) -> list[torch.Tensor]:
         """The model's gradient storage, for memory accounting."""
         return [self.grads]
+
+    def grads_read(self, fp32: bool) -> list[torch.Tensor | None]:
+        """Per parameter, in buffer order, the gradient a step reads: with ``fp32``, a
+        16-bit group's view of its fp32 gradients (where the step copied them, or
+        sums them under fp32 accumulation); else the model's own ``.grad``."""
+        if fp32 and self.half and self.master_grads.untyped_storage().nbytes():
+            return self.layout.views(self.master_grads)
+        return [p.grad for p in self.params]
 
     # --------------------------------------------------------------- the masters' side
 
@@ -205,12 +226,47 @@ class FlatGroup:
         if not self.half:
             return
         self._attach_masters()
+        self._restore_master_grads()
+        if self.master_views and self.master_views[0].grad is None:
+            for m, g in zip(self.master_views, self.layout.views(self.master_grads)):
+                m.grad = g
+
+    def _restore_master_grads(self) -> None:
         if self.master_grads.untyped_storage().nbytes() == 0:
             flat.restore(self.master_grads)
             if self.per_tensor:  # copies fill the views only: the alignment gaps must read zero, not old memory
                 self.master_grads.zero_()
-            for m, g in zip(self.master_views, self.layout.views(self.master_grads)):
-                m.grad = g
+
+    # fp32 accumulation (accumulate_dtype=torch.float32): the fp32 gradient buffer holds
+    # the sum of the step's micro-batches, still scaled; the 16-bit gradients are
+    # zeroed after each backward, so that autograd's next addition into them is exact.
+
+    def sum_views(self) -> list[torch.Tensor]:
+        """Per parameter, its view of the fp32 gradient sum (views stay valid objects
+        while the buffer is released between steps; they are read only while it is not)."""
+        released = self.master_grads.untyped_storage().nbytes() == 0
+        self._restore_master_grads()
+        self._sums = self.layout.views(self.master_grads)
+        if released:
+            flat.release(self.master_grads)
+        return self._sums
+
+    def open_sum(self) -> None:
+        """The first backward of a step: the fp32 sum starts at zero."""
+        self._restore_master_grads()
+        self.master_grads.zero_()
+
+    def accumulate(self) -> None:
+        """After a backward: the fresh 16-bit gradients into the fp32 sum, and zeroed.
+        A gradient that is no longer a view of the buffer (``model.zero_grad()`` set it
+        to None, and autograd made a new one) is added too, and the view put back."""
+        accumulation.add_widened(self.master_grads, self.grads)
+        self.grads.zero_()
+        for p, g, total in zip(self.params, self.grad_views, self._sums):
+            if p.grad is not g:
+                if p.grad is not None:
+                    total.add_(p.grad)
+                p.grad = g
 
     def grads_to_master(self) -> None:
         """16-bit gradients into the fp32 master gradients, exactly (a 16-bit value is an
@@ -224,9 +280,30 @@ class FlatGroup:
         return [self.master_grads] if self.half else self.grad_parts()
 
     def master_from_weights(self) -> None:
-        """Without master weights: the fp32 values the step starts from."""
+        """Without master weights: the fp32 values the step starts from (with
+        remainders, the exact masters rebuilt from the weights and the remainders)."""
         self._attach_masters()
-        torch._foreach_copy_(self.parts(self.master), self.weight_parts())
+        if self.remainder is None:
+            torch._foreach_copy_(self.parts(self.master), self.weight_parts())
+            return
+        for master, weights, remainder in zip(self.parts(self.master), self.weight_parts(),
+                                              self.parts(self.remainder)):
+            join_remainder(weights, remainder, out=master)
+
+    def rebuilt_masters(self) -> list[torch.Tensor]:
+        """With remainders: per parameter, its fp32 master rebuilt (a new tensor)."""
+        return [join_remainder(p.detach(), r) for p, r in zip(self.params, self.layout.views(self.remainder))]
+
+    def split_into_weights(self, masters: list[torch.Tensor | None]) -> None:
+        """With remainders: set each parameter's bf16 weight and remainder from an fp32
+        master (None: the weight as it is, remainder 0)."""
+        for p, r, m in zip(self.params, self.layout.views(self.remainder), masters):
+            if m is None:
+                r.zero_()
+            else:
+                weight, remainder = split_remainder(m.to(device=r.device, dtype=torch.float32))
+                p.copy_(weight)
+                r.copy_(remainder)
 
     def copy_back(self) -> None:
         """Round the fp32 masters into the 16-bit weights, to nearest."""
@@ -237,8 +314,10 @@ class FlatGroup:
         weights as ``rounding`` says (mpfp16/rounding.py)."""
         noises = self.parts(noise) if noise is not None else [None] * len(self.weight_parts())
         comps = self.parts(self.comp) if self.comp is not None else [None] * len(noises)
+        if self.remainder is not None:
+            rounding, comps = "remainder", self.parts(self.remainder)
         for weights, new, n, c in zip(self.weight_parts(), self.parts(self.master), noises, comps):
-            write_weights(weights, new, weights.float(), n, c, rounding)
+            write_weights(weights, new, None if rounding == "remainder" else weights.float(), n, c, rounding)
 
     def release(self) -> None:
         """Free the fp32 buffers of a group without master weights."""
@@ -257,7 +336,7 @@ class PerTensorGroup(FlatGroup):
 
     per_tensor = True
 
-    def __init__(self, params: list[torch.Tensor], master_weights: bool, group_of: dict[int, int],
+    def __init__(self, params: list[torch.Tensor], master_weights: bool | str, group_of: dict[int, int],
                  kahan: bool = False) -> None:
         self._setup(params, flat.FlatLayout.of(params), master_weights, group_of, kahan)
         self.weights = self.grads = None
@@ -280,6 +359,13 @@ class PerTensorGroup(FlatGroup):
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.params if p.grad is not None]
+
+    def accumulate(self) -> None:
+        have = [(s, p.grad) for s, p in zip(self.parts(self.master_grads), self.params) if p.grad is not None]
+        for total, grad in have:
+            accumulation.add_widened(total, grad)
+        if have:
+            torch._foreach_zero_([g for _, g in have])
 
     def grads_to_master(self) -> None:
         self.prepare_master_grads()
@@ -336,7 +422,7 @@ def _frozen_skipped(stepped: list[torch.Tensor], params: list[torch.Tensor]):
             m.grad = grad
 
 
-class FlatStore(ParamStore):
+class FlatStore(ParamStore, SumOwner):
     """Every parameter in a flat buffer (module docstring). The step is the inner
     optimizer's own ``step()`` over the masters, or, after :meth:`use_fused`,
     mpfp16's fused kernels (mpfp16/stores/fused.py).
@@ -346,14 +432,22 @@ class FlatStore(ParamStore):
         params: every parameter it holds, in its order.
         groups: the groups those parameters were placed in (:func:`build_local_store`).
         rounding: without master weights, how new weights are rounded to 16 bits.
+        accumulate: sum the 16-bit gradients of a step's micro-batches in fp32 (the
+            fp32 gradient buffers, registered with :mod:`mpfp16.parallel.accumulation`
+            so that mpfp16's DDP hooks carry the sum).
     """
 
     kind = "flat"
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], groups: list[FlatGroup],
-                 rounding: str) -> None:
+                 rounding: str, accumulate: bool = False) -> None:
         super().__init__()
         self.optimizer, self.groups, self.rounding = optimizer, groups, rounding
+        self.accumulates = accumulate and any(g.half for g in groups)
+        for g in groups:
+            g.accumulating = accumulate and g.half
+            if g.accumulating:
+                accumulation.register(g.params, g.sum_views(), self)
         self.params = list(params)
         to_master = {id(p): m for g in groups for p, m in zip(g.params, g.master_views)}
         self.stepped = [to_master[id(p)] for p in params]
@@ -403,14 +497,45 @@ class FlatStore(ParamStore):
     def zero_grad(self, set_to_none: bool) -> None:
         for g in self.groups:
             g.zero_grads(set_to_none)
+        self.sum_open = False
+
+    def open_sums(self) -> None:
+        """Before a backward: the first of a step zeroes the fp32 sums."""
+        if self.accumulates and not self.sum_open:
+            for g in self.groups:
+                if g.accumulating:
+                    g.open_sum()
+            self.sum_open, self.carried = True, False
+
+    def accumulate(self) -> None:
+        """After a backward (which :meth:`open_sums` preceded): the 16-bit gradients
+        into the fp32 sums."""
+        if not self.accumulates:
+            return
+        if not self.sum_open:  # without masters the sums have no memory before
+            raise RuntimeError("accumulate() before open_sums(): the fp32 sums are not open")
+        for g in self.groups:
+            if g.accumulating:
+                g.accumulate()
 
     def unscale(self, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
         if self._fused is not None:
             return self._fused.unscale(scale, materialize, with_norm)
         for g in self.groups:
-            if g.half:
+            if g.accumulating:
+                g.prepare_master_grads()  # the sum is there already
+            elif g.half:
                 g.grads_to_master()
         return unscale_and_check([t for g in self.groups for t in g.fp32_grads()], scale)
+
+    def nonfinite_grads(self, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
+        """Of the gradients the step read: a 16-bit group's fp32 ones where the step
+        copied them there (the unfused step; the fused one after ``unscale_()``) or sums
+        them there (fp32 accumulation), else the model's own."""
+        fp32 = not before_unscale and (self._fused is None or self._fused.from_master_grads)
+        position = {id(p): i for i, p in enumerate(self.params)}
+        return find_nonfinite(((position[id(p)], grad) for g in self.groups for p, grad in
+                               zip(g.params, g.grads_read(fp32 or g.accumulating))), limit)
 
     def grad_norm(self) -> torch.Tensor:
         if self._fused is not None and not self._fused.from_master_grads:
@@ -443,10 +568,12 @@ class FlatStore(ParamStore):
                     g.copy_back()
             g.release()
         self._noise = [None] * len(self.groups)
+        self.sum_open = False
 
     def skip(self) -> None:
         for g in self.groups:
             g.release()
+        self.sum_open = False
 
     @torch.no_grad()
     def copy_masters_to_model(self) -> None:
@@ -467,13 +594,18 @@ class FlatStore(ParamStore):
             "master_grads": storage_bytes(g.master_grads for g in halves) / numel,
             "optimizer_state": storage_bytes(state) / numel,
             "compensation": storage_bytes(g.comp for g in halves if g.comp is not None) / numel,
+            "master_remainder": storage_bytes(g.remainder for g in halves if g.remainder is not None) / numel,
         }
         report["total"] = sum(report.values())
         return report
 
     def state(self) -> dict:
-        persistent = {id(m) for g in self.groups if g.has_master for m in g.master_views}
-        return {"master_params": [m if id(m) in persistent else None for m in self.stepped],
+        """The fp32 masters (with remainders: rebuilt, exactly, so that the state loads
+        with fp32 masters too), None for those that are not kept."""
+        masters = {id(m): m for g in self.groups if g.has_master for m in g.master_views}
+        masters.update((id(m), rebuilt) for g in self.groups if g.remainder is not None
+                       for m, rebuilt in zip(g.master_views, g.rebuilt_masters()))
+        return {"master_params": [masters.get(id(m)) for m in self.stepped],
                 "kahan_compensation": [g.comp for g in self.groups]}
 
     def check_state(self, state_dict: dict) -> None:
@@ -487,7 +619,8 @@ class FlatStore(ParamStore):
     @torch.no_grad()
     def load_state(self, state_dict: dict) -> None:
         """The saved masters (rebuilt from the model's weights where none were saved),
-        and the 16-bit weights set from them, so the two always agree."""
+        and the 16-bit weights set from them, so the two always agree; with
+        remainders, the weights and remainders that hold the saved masters exactly."""
         saved_masters = state_dict["master_params"]
         position = {id(m): i for i, m in enumerate(self.stepped)}
         for g, comp in zip(self.groups, state_dict.get("kahan_compensation", [])):
@@ -499,6 +632,9 @@ class FlatStore(ParamStore):
                     saved = saved_masters[position[id(m)]] if id(m) in position else None
                     m.copy_(p if saved is None else saved)
                 g.copy_back()
+            elif g.remainder is not None:
+                g.split_into_weights([saved_masters[position[id(m)]] if id(m) in position else None
+                                      for m in g.master_views])
             g.mark_synced()  # the model was loaded first: its weights are not stale
 
 
@@ -511,8 +647,8 @@ class PerTensorStore(FlatStore):
 
     kind = "per-tensor"
 
-    def __init__(self, optimizer, params, groups, rounding, why: str) -> None:
-        super().__init__(optimizer, params, groups, rounding)
+    def __init__(self, optimizer, params, groups, rounding, why: str, accumulate: bool = False) -> None:
+        super().__init__(optimizer, params, groups, rounding, accumulate)
         self.why = why
 
     def explain(self) -> str:
@@ -524,8 +660,8 @@ class PerTensorStore(FlatStore):
         return "its parameters are not in flat buffers (they could no longer move: build FP16Optimizer before DDP)"
 
 
-def build_local_store(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *, master_weights: bool,
-                      rounding: str) -> FlatStore:
+def build_local_store(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *, master_weights: bool | str,
+                      rounding: str, accumulate: bool = False) -> FlatStore:
     """Place ``params`` (every parameter ``optimizer`` holds, in its order) and return
     the store: a :class:`FlatStore` when every one is, or can be, in a flat buffer,
     else a :class:`PerTensorStore` in which those that cannot move stay where they are.
@@ -546,5 +682,5 @@ def build_local_store(optimizer: torch.optim.Optimizer, params: list[torch.Tenso
             continue
         groups += [FlatGroup(fp, master_weights, group_of, kahan) for fp in placed]
     if why is None:
-        return FlatStore(optimizer, params, groups, rounding)
-    return PerTensorStore(optimizer, params, groups, rounding, why)
+        return FlatStore(optimizer, params, groups, rounding, accumulate)
+    return PerTensorStore(optimizer, params, groups, rounding, why, accumulate)

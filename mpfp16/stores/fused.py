@@ -95,7 +95,9 @@ class FusedStep:
         self.from_master_grads = materialize
         if materialize:
             for g in self.groups:
-                if g.half:
+                if g.accumulating:
+                    g.prepare_master_grads()  # the fp32 sum is there already
+                elif g.half:
                     g.grads_to_master()
             return unscale_and_check([t for g in self.groups for t in g.fp32_grads()], scale)
         device = self.groups[0].device
@@ -103,9 +105,15 @@ class FusedStep:
         kernel = kernels.compiled(kernels.grad_stats, with_norm=with_norm)
         stats = torch.zeros(2, dtype=torch.float32, device=device)
         for g in self.groups:
-            stats += kernel(g.grads, self._inv_scale.to(g.device)).to(device)
+            stats += kernel(self._read_grads(g), self._inv_scale.to(g.device)).to(device)
         self._sumsq = stats[1]
         return stats[:1]
+
+    def _read_grads(self, g) -> torch.Tensor:
+        """The gradient buffer this step reads: the unscaled fp32 gradients after
+        ``unscale_()``, the scaled fp32 sum under fp32 accumulation, else the 16-bit
+        gradients (fp32 ones for an fp32 group)."""
+        return g.master_grads if g.half and (self.from_master_grads or g.accumulating) else g.grads
 
     def grad_norm(self) -> torch.Tensor:
         """From the flat sum of squares, which can differ from clip_grad_norm_'s
@@ -187,13 +195,23 @@ class FusedStep:
                     self._adam(gi, si, g, segment, hyper, inv_scale, clip_coef, noise[gi])
 
     def _rounding(self, g) -> str:
+        """How the kernels write this group's weights: a bf16 group with remainders
+        reads and writes its exact masters as weights and remainders (``comp``)."""
+        if g.remainder is not None:
+            return "remainder"
         return self.rounding if g.transient else "nearest"
+
+    @staticmethod
+    def _comp(g):
+        """The kernels' ``comp`` buffer: Kahan's compensation, or the remainders."""
+        return g.remainder if g.remainder is not None else g.comp
 
     def _slices(self, gi, g, segment, names, noise):
         s = segment.range
         master = g.master[s] if g.has_master else None
-        grad = g.master_grads[s] if self.from_master_grads else g.grads[s]
-        extras = (noise[s] if noise is not None else None, g.comp[s] if g.comp is not None else None)
+        grad = self._read_grads(g)[s]
+        comp = self._comp(g)
+        extras = (noise[s] if noise is not None else None, comp[s] if comp is not None else None)
         return g.weights[s], grad, master, [self._flat_state[(gi, n)][s] for n in names], extras
 
     def _sgd(self, gi, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
@@ -242,9 +260,11 @@ class FusedStep:
     @staticmethod
     def _two_passes(g, hyper: dict) -> bool:
         """Adam with coupled weight decay over 16-bit weights without masters, on CPU:
-        two passes (``kernels.adam_moments``) run faster than one there."""
+        two passes (``kernels.adam_moments``) run faster than one there. Not with
+        remainders: the weight decay is of the exact master, which only the one-pass
+        kernel rebuilds."""
         return (not g.has_master and g.half and g.device.type == "cpu" and hyper["weight_decay"] != 0
-                and not hyper.get("decoupled_weight_decay", False))
+                and not hyper.get("decoupled_weight_decay", False) and g.remainder is None)
 
     @staticmethod
     def _sgd_flags(hyper: dict, has_master: bool, first: bool, rounding: str) -> dict:
@@ -271,8 +291,13 @@ class FusedStep:
         for g in self.groups:
             dev, dtype = g.device, g.dtype
             one = scalar(1.0, dev)
+            # The dtypes of the gradients the kernels read: 16-bit, or the fp32 sum or the
+            # fp32 gradients unscale_() makes.
+            grad_dtypes = (dtype,) if not g.half else (torch.float32,) if g.accumulating else (
+                (dtype, torch.float32) if fp32_grads else (dtype,))
             for with_norm in (False, True):
-                compiled(grad_stats, with_norm=with_norm)(torch.zeros(numel, dtype=dtype, device=dev), one)
+                for grad_dtype in grad_dtypes:
+                    compiled(grad_stats, with_norm=with_norm)(torch.zeros(numel, dtype=grad_dtype, device=dev), one)
             for segment in g.segments:
                 hyper = self.optimizer.param_groups[segment.group_index]
                 rounding = self._rounding(g)
@@ -285,8 +310,9 @@ class FusedStep:
                 master = torch.zeros(numel, device=dev) if g.has_master else None
                 bufs = [torch.zeros(numel, device=dev) for _ in range(2)]
                 noise = torch.zeros(numel, device=dev) if rounding == "stochastic" else None
-                comp = torch.zeros(numel, dtype=dtype, device=dev) if rounding == "kahan" else None
-                for grad_dtype in (dtype, torch.float32) if fp32_grads and g.half else (dtype,):
+                comp = (torch.zeros(numel, dtype=dtype, device=dev) if rounding == "kahan" else
+                        torch.zeros(numel, dtype=torch.int16, device=dev) if rounding == "remainder" else None)
+                for grad_dtype in grad_dtypes:
                     grad = torch.zeros(numel, dtype=grad_dtype, device=dev)
                     if self.is_sgd:
                         for first in (True, False):

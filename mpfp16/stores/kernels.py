@@ -5,6 +5,9 @@ imports torch's compiler stack, so nothing imports it before a fused step needs 
 One kernel per flat segment reads the 16-bit gradient, unscales (and clips) it in
 fp32, updates the fp32 master and the optimizer state, and writes the rounded 16-bit
 weight: the memory traffic of an fp32 optimizer step, with no fp32 gradient buffer.
+With ``master_weights="remainder"`` the fp32 master is not read but rebuilt from the
+bf16 weight and its int16 remainder, and written back as the two
+(mpfp16/rounding.py): 2 bytes per parameter less each way.
 
 **Exactness.** Each kernel performs, element by element, the same floating-point
 operations with the same roundings as ``torch.optim``'s own SGD, Adam and AdamW
@@ -33,7 +36,7 @@ import torch._inductor.config
 from torch._inductor import inductor_prims
 
 from ..errors import compile_errors
-from ..rounding import write_weights
+from ..rounding import read_weights, write_weights
 
 logger = logging.getLogger("mpfp16")
 
@@ -97,9 +100,11 @@ def sgd_update(weights, grad, master, momentum_buf, noise, comp, inv_scale, clip
     """torch.optim.SGD on one flat segment.
 
     ``weights`` is the model's buffer (16-bit or fp32); ``master`` the fp32 master or,
-    without masters (``has_master=False``), unused: the fp32 value is the upcast weight.
+    without masters (``has_master=False``), unused: the fp32 value is the upcast weight,
+    or with ``rounding="remainder"`` the master that the bf16 weight and its int16
+    remainder (``comp``) hold exactly, split into them again after the update.
     """
-    param = master if has_master else weights.float()
+    param = master if has_master else read_weights(weights, comp, rounding)
     g = _unscaled(grad, inv_scale, clip_coef, maximize)
     if has_weight_decay:
         g = add_alpha(g, param, weight_decay)
@@ -131,7 +136,7 @@ def adam_update(weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_sca
     (bias corrections, step size) are computed by the caller in Python doubles, as
     torch's single-tensor Adam does. Without master weights and with Adam's coupled
     weight decay, the fused backend runs ``adam_moments`` and ``adam_apply`` instead."""
-    old = param = master if has_master else weights.float()
+    old = param = master if has_master else read_weights(weights, comp, rounding)
     g = _unscaled(grad, inv_scale, clip_coef, maximize)
     if has_weight_decay:
         if decoupled:

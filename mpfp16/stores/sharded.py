@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..parallel.fsdp_shim import is_sharded, unsharded_tensors
 from ..parallel.handles import handle_of
-from .base import ParamStore, storage_bytes, unscale_and_check
+from .base import ParamStore, find_nonfinite, storage_bytes, unscale_and_check
 
 __all__ = ["ShardedStore", "holds_sharded"]
 
@@ -44,6 +44,7 @@ class ShardedStore(ParamStore):
 
     kind = "sharded"
     hooks_gradients = False  # FSDP2 writes the sharded gradients itself, outside autograd's view of them
+    shards_gradients = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], model: torch.nn.Module) -> None:
         super().__init__()
@@ -117,6 +118,13 @@ class ShardedStore(ParamStore):
         inf/NaN (GradScaler's kernel); the optimizer reduces the flag over the group."""
         return unscale_and_check(self._local_grads(), scale).to(self.device)
 
+    def nonfinite_grads(self, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
+        """This rank's shards of the fp32 gradients (unscaled in place, or not yet:
+        inf/NaN are the same); the optimizer gathers the ranks' reports, whose counts
+        add up to the whole parameter's."""
+        return find_nonfinite(((i, p.grad.to_local()) for i, p in enumerate(self.params) if p.grad is not None),
+                              limit)
+
     def grad_norm(self) -> torch.Tensor:
         """The global 2-norm: the squares of this rank's shard norms, summed over the
         group."""
@@ -161,6 +169,7 @@ class ShardedStore(ParamStore):
             "master_grads": storage_bytes(_local(p.grad) for p in self.params if p.grad is not None) / numel,
             "optimizer_state": storage_bytes(state) / numel,
             "compensation": 0.0,
+            "master_remainder": 0.0,
         }
         report["total"] = sum(report.values())
         return report

@@ -101,8 +101,9 @@ def model(cfg: TrainConfig, num_classes: int, info: mdist.DistInfo) -> nn.Module
     else:
         flatten_parameters(net)  # as to_half does: nothing moves when DDP wraps the model
     n = sum(p.numel() for p in net.parameters())
-    masters = "" if cfg.precision == "fp32" else (" with fp32 master weights" if cfg.master_weights
-                                                  else " without master weights")
+    masters = "" if cfg.precision == "fp32" else (
+        " with fp32 master weights held as the bf16 weights and 16-bit remainders" if cfg.master_weights == "remainder"
+        else " with fp32 master weights" if cfg.master_weights else " without master weights")
     sharded = f", sharded over {info.world_size} process{'es' * (info.world_size > 1)} (FSDP2)" if cfg.shard else ""
     logger.info("model: %s, %.2fM parameters, %s%s%s", cfg.arch, n / 1e6, cfg.precision, masters, sharded)
     return net
@@ -141,7 +142,8 @@ def optimizer(cfg: TrainConfig, net: nn.Module, world_size: int) -> FP16Optimize
         return FP16Optimizer(inner, loss_scale=loss_scale, master_weights=cfg.master_weights,
                              max_grad_norm=cfg.max_grad_norm, model=net, track_grad_norm=True,
                              fused=cfg.fused_option, rounding=cfg.rounding if cfg.precision != "fp32" else "nearest",
-                             rounding_seed=cfg.seed)
+                             rounding_seed=cfg.seed,
+                             accumulate_dtype=TORCH_DTYPES.get(cfg.accumulate_dtype) if cfg.precision != "fp32" else None)
     except ValueError as exc:  # --fused on with an optimizer it cannot fuse
         raise UserError(str(exc)) from None
 

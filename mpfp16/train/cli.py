@@ -87,6 +87,13 @@ def _loss_scale(text: str):
         raise argparse.ArgumentTypeError(f"must be 'dynamic' or a positive number, got {text!r}") from None
 
 
+def _master_weights(text: str):
+    """'fp32' or 'remainder', as FP16Optimizer's ``master_weights`` takes them."""
+    if text not in ("fp32", "remainder"):
+        raise argparse.ArgumentTypeError(f"must be fp32 or remainder, got {text!r}")
+    return True if text == "fp32" else text
+
+
 def _resize_phases(text: str) -> list[tuple[int, int]]:
     """'0:128,10:224,20:288' -> [(0, 128), (10, 224), (20, 288)]."""
     phases = []
@@ -182,12 +189,18 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
     g.add_argument("--precision", choices=PRECISIONS, help="weights and activations" + default("precision"))
     g.add_argument("--no-master-weights", dest="master_weights", action="store_false",
                    help="step the 16-bit weights directly, with no fp32 copy" + default("master_weights", "fp32 masters"))
+    g.add_argument("--master-weights", dest="master_weights", type=_master_weights, metavar="{fp32,remainder}",
+                   help="remainder (bf16): the fp32 masters held exactly as the bf16 weights and a 16-bit remainder "
+                        "each, 2 bytes per parameter less" + default("master_weights", "fp32"))
     g.add_argument("--rounding", choices=ROUNDINGS,
                    help="with --no-master-weights: how new weights are rounded to 16 bits" + default("rounding"))
     g.add_argument("--loss-scale", type=_loss_scale, help="'dynamic' or a static scale; fp16 only"
                    + default("loss_scale"))
     g.add_argument("--max-grad-norm", type=_positive_float,
                    help="clip the global norm of the unscaled gradients" + default("max_grad_norm", "no clipping"))
+    g.add_argument("--accumulate-dtype", choices=["fp32"],
+                   help="with --accum-steps N: sum the micro-batches' 16-bit gradients in fp32, sent in the step's "
+                        "one allreduce" + default("accumulate_dtype", "the parameters' dtype, as apex"))
     g.add_argument("--fused", choices=FUSED_CHOICES,
                    help="the compiled one-pass optimizer step: auto uses it for SGD/Adam/AdamW from 1M "
                         "parameters" + default("fused"))

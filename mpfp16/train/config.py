@@ -110,10 +110,11 @@ class TrainConfig:
     seed: int = 0
     # precision
     precision: str = "fp16"
-    master_weights: bool = True
+    master_weights: bool | str = True  # False: none; "remainder" (bf16): held as the weights and 16-bit remainders
     rounding: str = "nearest"  # without master weights: nearest | stochastic | kahan
     loss_scale: str | float = "dynamic"
     max_grad_norm: float | None = None
+    accumulate_dtype: str | None = None  # None: micro-batch gradients summed in the model's dtype; "fp32"
     fused: str = "auto"  # auto | on | off
     # distributed
     shard: bool = False  # FSDP2: fp32 masters, gradients and optimizer state sharded across ranks
@@ -163,6 +164,8 @@ class TrainConfig:
                               ("bad_images", BAD_IMAGE_POLICIES), ("fused", FUSED_CHOICES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unknown {_flag(name)} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        if self.master_weights not in (True, False, "remainder"):
+            raise ConfigError(f"unknown --master-weights {self.master_weights!r}; choose one of fp32, remainder")
         if self.allreduce_dtype not in (None,) + WIRE_DTYPES:
             raise ConfigError(f"unknown --allreduce-dtype {self.allreduce_dtype!r}; choose one of "
                               f"{', '.join(WIRE_DTYPES)}")
@@ -192,14 +195,18 @@ class TrainConfig:
         before any data is loaded), the optimizer's, and DDP's (several processes) or
         FSDP2's (``--shard``)."""
         compute, wire = TORCH_DTYPES[self.precision], TORCH_DTYPES.get(self.allreduce_dtype)
+        if self.accumulate_dtype is not None and compute == torch.float32:
+            raise ConfigError(f"{say('accumulate_dtype', self.accumulate_dtype)} needs 16-bit gradients: with "
+                              f"{say('precision', self.precision)} they are summed in fp32 already")
         try:
             if self.loss_scale != "dynamic":
                 check_loss_scale(self.loss_scale, "loss_scale", say=say)
             setup_rules.check_options(backend=self.dist_backend, timeout_s=self.dist_timeout, device=self.device,
                                       say=say)
             optimizer_rules.check_options(master_weights=self.master_weights, rounding=self.rounding,
-                                          max_grad_norm=self.max_grad_norm, fused=self.fused_option,
-                                          sharded=self.shard, say=say)
+                                          max_grad_norm=self.max_grad_norm, fused=self.fused_option, dtypes=(compute,),
+                                          sharded=self.shard, accumulate_dtype=TORCH_DTYPES.get(self.accumulate_dtype),
+                                          say=say)
             if self.shard:
                 fsdp_rules.check_options(compute, wire, say=say)
             else:
@@ -237,7 +244,7 @@ def _flag(name: str) -> str:
 
 
 # The library's option names that are spelled otherwise as flags.
-_FLAGS = {"strategy": "--allreduce-strategy", "param_dtype": "--precision", "reduce_dtype": "--allreduce-dtype",
+_FLAGS = {"strategy": "--allreduce-strategy", "accumulate_dtype": "--accumulate-dtype", "param_dtype": "--precision", "reduce_dtype": "--allreduce-dtype",
           "backend": "--dist-backend", "timeout_s": "--dist-timeout"}
 _DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
@@ -249,14 +256,14 @@ def say(name: str, value) -> str:
     ``say("fused", True) -> "--fused on"``, ``say("rounding", "kahan") -> "--rounding kahan"``,
     ``say("backend", "nccl") -> "--dist-backend nccl"``, ``say("loss_scale", 1e39) -> "--loss-scale 1e+39"``)."""
     if name == "master_weights":
-        return "--no-master-weights" if not value else "fp32 master weights"
+        return "--no-master-weights" if not value else f"--master-weights {'remainder' if value == 'remainder' else 'fp32'}"
     if name == "fused":
         return f"--fused {({True: 'on', False: 'off', None: 'auto'}[value])}"
     if name == "reduce_overflow":  # not a flag: the scripts always reduce it
         return library_words(name, value)
     flag = _FLAGS.get(name, _flag(name))
     if value is None:
-        return f"out {flag}" if name in ("allreduce_dtype", "reduce_dtype") else f"{flag} unset"
+        return f"out {flag}" if name in ("allreduce_dtype", "reduce_dtype", "accumulate_dtype") else f"{flag} unset"
     if isinstance(value, torch.dtype):
         value = _DTYPE_NAMES.get(value, str(value).replace("torch.", ""))
     elif isinstance(value, float):

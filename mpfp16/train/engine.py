@@ -78,6 +78,7 @@ class Trainer:
         self.best_acc1, self.best_epoch = -1.0, None
         self.elapsed_before = 0.0
         self.replica_checks, self.replica_check_s, self._checked_at = 0, 0.0, None
+        self.last_skip = None  # (step, opt.last_overflow) of the last skipped step since the last train record
         self.checkpoints = RunCheckpoints(cfg, self.model)
         self.checkpoints.resume(self)
         self.metrics = MetricsWriter(self.metrics_path, self.main, cfg.tensorboard, truncate=cfg.overwrite)
@@ -258,6 +259,7 @@ class Trainer:
             total += loss.detach()
         if not self.opt.step():
             self._restore_buffers()
+            self.last_skip = (self.step + 1, self.opt.last_overflow)  # the step this one is counted as
         self.sched.step()
         return total / cfg.accum_steps
 
@@ -285,11 +287,14 @@ class Trainer:
         return float(value)
 
     def _log_step(self, loss: float, rate: float, comm: dict) -> None:
+        skip, self.last_skip = self.last_skip, None
         if not self.main:
             return
         self.metrics.write({
             "type": "train", "step": self.step, "epoch": self.epoch, "loss": loss,
             "loss_scale": self.opt.loss_scale, "skipped_steps": self.opt.skipped_steps,
+            # the last skipped step since the previous record, and the parameters whose gradient held inf/NaN
+            "overflow_step": skip[0] if skip else None, "overflow": skip[1] if skip else [],
             "lr": self.opt.param_groups[0]["lr"], "grad_norm": self.opt.last_grad_norm,
             "samples_per_s": rate, "allreduce_calls": comm["allreduce_calls"],
             "allreduce_bytes": comm["allreduce_bytes"], "time": self.elapsed(),

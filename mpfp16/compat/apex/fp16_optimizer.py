@@ -32,8 +32,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ...optimizer import FP16Optimizer
+from ...optimizer import FP16Optimizer, describe_overflow
 from ...parallel.base import any_rank
+from ...scaler import LossScaleStuckError
 from .loss_scaler import AmpLossScaler
 
 __all__ = ["FP16_Optimizer"]
@@ -100,6 +101,12 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         self.loss_scaler.scale = value
 
     @property
+    def last_overflow(self) -> list[dict]:
+        """After an overflow, the parameters whose 16-bit gradient held inf or NaN
+        (:attr:`mpfp16.FP16Optimizer.last_overflow`); ``[]`` after a clean step."""
+        return self._opt.last_overflow
+
+    @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
 
@@ -123,7 +130,12 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         """Find whether the gradients hold inf/NaN, agree on it across ranks, and update
         the loss scale now, as apex does; sets :attr:`overflow`."""
         self.overflow = self._found_inf()
-        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:  # name the culprits while the gradients are there (every rank is here: agreed)
+            self._opt._record_overflow(self._opt._loss_finite, before_unscale=True)
+        try:
+            self.loss_scaler.update_scale(self.overflow)
+        except LossScaleStuckError as exc:
+            raise self._opt._naming_culprits(exc) from None
         if self.overflow and not self.loss_scaler.dynamic and not FP16_Optimizer._warned_static_overflow:
             FP16_Optimizer._warned_static_overflow = True
             logger.warning("inf/NaN gradients with a static loss scale of %g: skipping the step (apex would have "
@@ -172,7 +184,9 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
     def _log_skip(self) -> None:
         self.skipped_steps += 1
         if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-            logger.info("Gradient overflow. Skipping step, loss scale reduced to %g", self.loss_scale)
+            found = describe_overflow(self._opt.last_overflow)
+            logger.info("Gradient overflow. Skipping step, loss scale reduced to %g%s", self.loss_scale,
+                        f" (inf/NaN: {found})" if found else "")
 
     def _step_with_closure(self, closure):
         """apex's closure protocol: the closure zeroes the gradients, computes the loss
