@@ -338,3 +338,27 @@ def groups_and_freezing(rank):
     except RuntimeError as exc:
         out["unfrozen under ddp"] = str(exc)
     return out
+
+
+@in_process_group
+def culprits(rank):
+    """``last_overflow`` from the shards, gathered over the mesh: after a backward, rank
+    0 writes one inf into its shard of 0.0.weight's gradient and each rank one NaN into
+    its shard of 11.weight's (2 in all: the shards' counts add up); then rank 1's batch
+    is NaN; then a clean step. Each step's (stepped, last_overflow), and the numel of
+    every parameter by name."""
+    torch.manual_seed(0)
+    call, opt, model = S.build("sharded", S.tiny_model(4), clip=None)
+    params = dict(model.named_parameters())
+    reports = []
+    for step in range(3):
+        x, y = S.batch(step, 0, 4, 0, nan=step == 1)
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(call(x).float(), y))
+        if step == 0:
+            with torch.no_grad():
+                if rank == 0:
+                    params["0.0.weight"].grad.to_local().view(-1)[0] = float("inf")
+                params["11.weight"].grad.to_local().view(-1)[-1] = float("nan")
+        reports.append((opt.step(), opt.last_overflow))
+    return {"reports": reports, "numel": {name: p.numel() for name, p in params.items()}}

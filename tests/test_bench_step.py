@@ -32,6 +32,18 @@ def test_step_benchmark_runs(tmp_path, capsys):
     assert "vs a" in printed and "bytes per parameter" in printed and "memory bandwidth" in printed
 
 
+@pytest.mark.slow  # compiles the fused step
+def test_step_benchmark_times_a_skipped_step_and_its_scan(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert bench.main(["--model", "squeezenet1_1", "--rounds", "2", "--warmup", "1", "--threads", "1",
+                       "--bandwidth-numel", "100000", "--skipped", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["results"][0]["rows"]
+    assert [r["method"] for r in rows][7:] == ["h. d skipped (1 inf), named", "i. h's overflow scan alone"]
+    assert all(r["median_ms"] > 0 for r in rows) and result["loss_flag_us"] > 0
+    assert "loss flag for last_overflow" in capsys.readouterr().out
+
+
 def test_traffic_per_method():
     """The byte counts the table divides by, against the counts stated in the issue
     and the docs: torch's fused AdamW moves 28 bytes per parameter, mpfp16's step 30

@@ -54,7 +54,12 @@ def test_every_help_ends_with_the_default_the_config_uses(task):
     (dict(evaluate=True), "--evaluate needs --resume PATH"),
     (dict(overwrite=True, resume="auto"), "cannot be combined with --resume"),
     (dict(loss_scale=-1.0), "--loss-scale -1: a loss scale must be a positive normal fp32 number"),
-], ids=["optimizer", "precision", "loss-scale", "wire", "rounding", "evaluate", "overwrite", "bad-scale"])
+    (dict(accumulate_dtype="fp32", precision="fp32"), "--accumulate-dtype fp32 needs 16-bit gradients"),
+    (dict(accumulate_dtype="fp32", shard=True), "--accumulate-dtype fp32 is not possible for a sharded model: FSDP2 "
+                                                "sums the micro-batches' unsharded gradients itself, in its "
+                                                "reduce_dtype: for an fp32 sum, shard with --allreduce-dtype fp32"),
+], ids=["optimizer", "precision", "loss-scale", "wire", "rounding", "evaluate", "overwrite", "bad-scale",
+        "accumulate-fp32-model", "accumulate-sharded"])
 def test_contradictions_and_unknown_names_are_one_error_line(kw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig(task="cifar", **kw).validate()
@@ -178,6 +183,7 @@ def test_the_config_refuses_exactly_what_the_library_refuses():
     ("allreduce_dtype", None, "out --allreduce-dtype"), ("allreduce_dtype", torch.bfloat16, "--allreduce-dtype bf16"),
     ("param_dtype", torch.float32, "--precision fp32"), ("predivide_factor", 1.0, "--predivide-factor 1"),
     ("powersgd_rank", 4, "--powersgd-rank 4"), ("max_grad_norm", 0.5, "--max-grad-norm 0.5"),
+    ("accumulate_dtype", torch.float32, "--accumulate-dtype fp32"), ("accumulate_dtype", None, "out --accumulate-dtype"),
 ])
 def test_library_options_are_worded_as_flags(name, value, words):
     assert say(name, value) == words

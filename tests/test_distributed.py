@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import dist_workers as W
+import overflow_workers as OW
 import mpfp16
 import mpfp16.distributed as mdist
 from dist_helpers import Group, run_workers
@@ -104,6 +105,30 @@ def test_overflow_on_one_rank_skips_on_every_rank(group, where):
     assert torch.equal(r0["params"], r1["params"])
     for a, b in zip(r0["buffers"], r1["buffers"]):  # BatchNorm statistics, synced by DDP
         assert torch.equal(a, b)
+
+
+CULPRIT_STORES = ("flat", "fused", "per-tensor")
+for _store in CULPRIT_STORES:
+    GROUP.add(("culprits", _store), OW.culprits_under_ddp, _store)
+
+
+@slow
+@pytest.mark.parametrize("store", CULPRIT_STORES)
+def test_every_rank_names_the_same_culprits_and_the_rank_whose_loss_was_nan(group, store):
+    """tests/overflow_workers.py says what each step does. Rank 1's NaN input makes
+    every gradient wholly NaN after the allreduce (a NaN passes ReLU's backward), and
+    its loss NaN; a gradient poisoned on one rank after the allreduce is named on both."""
+    r0, r1 = group(("culprits", store))
+    assert r0 == r1  # the same report on every rank
+    assert r0["store"] == ("per-tensor" if store == "per-tensor" else "flat") and r0["fused"] == (store == "fused")
+    shapes = {name: p.numel() for name, p in W.mlp().named_parameters()}
+    assert r0["reports"] == [
+        (False, [{"name": name, "kind": "nan", "count": numel, "ranks": [1]} for name, numel in shapes.items()]),
+        (False, [{"name": "0.weight", "kind": "nan", "count": 1, "ranks": []}]),
+        (False, [{"name": "0.weight", "kind": "inf", "count": 2, "ranks": []},
+                 {"name": "2.bias", "kind": "inf", "count": 1, "ranks": []}]),
+        (True, []),
+    ]
 
 
 BIG = {"fp16": ({}, float("inf")),                                  # fp16 sum: 40000 + 40000 saturates

@@ -241,7 +241,7 @@ def test_no_fp32_gradient_buffer_with_the_fused_step():
     assert opt.step()
     assert opt.memory_bytes_per_param() == {"model_weights": 2.0, "model_grads": 2.0, "master_weights": 4.0,
                                             "master_grads": 0.0, "optimizer_state": 4.0, "compensation": 0.0,
-                                            "total": 12.0}
+                                            "master_remainder": 0.0, "total": 12.0}
 
 
 def _break_compiler(monkeypatch, error):

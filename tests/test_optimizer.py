@@ -271,9 +271,11 @@ def test_memory_bytes_per_param():
 
     masters, plain = report(True), report(False)
     assert masters == {"model_weights": 2.0, "model_grads": 2.0, "master_weights": 4.0,
-                       "master_grads": 4.0, "optimizer_state": 4.0, "compensation": 0.0, "total": 16.0}
+                       "master_grads": 4.0, "optimizer_state": 4.0, "compensation": 0.0, "master_remainder": 0.0,
+                       "total": 16.0}
     assert plain == {"model_weights": 2.0, "model_grads": 2.0, "master_weights": 0.0,
-                     "master_grads": 0.0, "optimizer_state": 4.0, "compensation": 0.0, "total": 8.0}
+                     "master_grads": 0.0, "optimizer_state": 4.0, "compensation": 0.0, "master_remainder": 0.0,
+                     "total": 8.0}
     assert report(False, torch.bfloat16)["total"] == 8.0
 
 

@@ -67,6 +67,36 @@ def test_metrics_file_has_the_promised_keys(cifar_root, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_a_skipped_step_names_its_culprits_in_the_metrics(cifar_root, tmp_path, capsys, monkeypatch):
+    """One NaN image in the second step's batch: its train record carries the
+    parameters whose gradient held NaN (opt.last_overflow), the others none."""
+    from mpfp16.train import engine, models
+
+    prepare = engine.Trainer._prepare
+
+    def poisoned(self, images):
+        images = prepare(self, images)
+        if self.model.training and self.step == 1:
+            images = images.clone()
+            images[0] = float("nan")
+        return images
+
+    monkeypatch.setattr(engine.Trainer, "_prepare", poisoned)
+    metrics = tmp_path / "m.jsonl"
+    result = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--epochs", "1", "--max-steps", "3",
+                                         "--checkpoint-dir", str(tmp_path), "--metrics", str(metrics)], capsys)
+    assert result[0] == 0, result[1]
+    train = [r for r in records(metrics) if r["type"] == "train"]
+    assert [(r["step"], r["skipped_steps"], r["overflow_step"]) for r in train] == [(1, 0, None), (2, 1, 2),
+                                                                                    (3, 1, None)]
+    assert train[0]["overflow"] == train[2]["overflow"] == []
+    names = [name for name, _ in models.build_cifar_model("resnet9-w4", 10).named_parameters()][:8]
+    assert [e["name"] for e in train[1]["overflow"]] == names
+    assert all(e["kind"] == "nan" and e["count"] > 0 and e["ranks"] == [0] for e in train[1]["overflow"])
+    assert f"step 2 skipped: inf/NaN in the gradients: nan in {names[0]} (" in result.out + result[1]
+
+
+@pytest.mark.slow
 def test_imagenet_on_a_tiny_imagefolder(imagenet_root, tmp_path, capsys):
     status, err = run_main(train_imagenet.main, [imagenet_root, *TINY_IMAGENET, "--epochs", "1",
                                                  "--checkpoint-dir", str(tmp_path), "--no-bn-wd",
@@ -103,10 +133,10 @@ def test_embedded_cifar_data_is_learnable(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [
-    ["--precision", "fp16", "-b", "8", "--accum-steps", "2", "--max-grad-norm", "5"],
+    ["--precision", "fp16", "-b", "8", "--accum-steps", "2", "--accumulate-dtype", "fp32", "--max-grad-norm", "5"],
     ["--precision", "fp16", "--no-master-weights", "--optimizer", "adamw", "--lr", "0.01"],
     ["--precision", "bf16"],
-], ids=["fp16-accum-clip", "fp16-no-master-adamw", "bf16"])
+], ids=["fp16-accum-fp32-sum-clip", "fp16-no-master-adamw", "bf16"])
 def test_resume_mid_epoch_is_bit_identical(cifar_root, tmp_path, capsys, extra):
     """10 steps, a resume, 10 more == 20 straight steps (an epoch is 12 steps here, so
     the resume lands mid-epoch and the run crosses an epoch boundary after it)."""
@@ -308,9 +338,11 @@ def test_cifar_under_torchrun(cifar_root, tmp_path):
 
 @pytest.mark.slow
 def test_imagenet_on_two_processes(imagenet_root, tmp_path):
-    """As torchrun starts it (dist_helpers.scripts; torchrun itself: test_cifar_under_torchrun)."""
+    """As torchrun starts it (dist_helpers.scripts; torchrun itself: test_cifar_under_torchrun), with the
+    micro-batches' fp32 gradient sum carried by the step's one exchange."""
     [[r0, r1]] = dist_helpers.scripts("train_imagenet", [[imagenet_root, *TINY_IMAGENET, "--max-steps", "2",
-                                                    "--allreduce-strategy", "fp32_accumulate",
+                                                    "--allreduce-strategy", "fp32_accumulate", "--accum-steps", "2",
+                                                    "--accumulate-dtype", "fp32",
                                                     "--checkpoint-dir", str(tmp_path / "ck")]], tmp_path / "out")
     assert r0["status"] == r1["status"] == 0, r0["stderr"][-3000:]
     evals = [r for r in records(tmp_path / "ck" / "metrics.jsonl") if r["type"] == "eval"]

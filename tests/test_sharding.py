@@ -36,6 +36,7 @@ def two(tmp_path_factory):
     for optimizer in ("sgd", "adam"):
         group.add(("memory", optimizer), W.memory, optimizer)
     group.add("stuck", W.stuck_scale)
+    group.add("culprits", W.culprits)
     group.add("freezing", W.groups_and_freezing)
     results = group.run(root / "workers")
     results.saved = str(root / "saved" / "last.dcp")
@@ -192,7 +193,24 @@ def test_a_scale_stuck_at_its_floor_stops_every_rank_at_the_same_step(two):
     r0, r1 = two("stuck")
     assert r0["step"] is not None and r0["step"] == r1["step"]
     assert r0["scale"] == 1.0 and r0["skipped"] == r1["skipped"] == r0["step"] + 1
-    assert "\n" not in r0["error"]
+    assert "\n" not in r0["error"] and r0["error"] == r1["error"]
+    # the layers that kept overflowing, gathered from the shards, and the rank whose batch was NaN
+    assert r0["error"].endswith(" At the last step: nan in 0.0.weight (108), nan in 0.1.weight (4), nan in 0.1.bias "
+                                "(4) and 5 more, the loss non-finite on rank 1.")
+
+
+def test_the_culprits_are_named_from_the_shards_on_every_rank(two):
+    """tests/sharding_workers.py culprits: each rank's shards are scanned, and the
+    union names whole parameters, their counts summed over the shards."""
+    r0, r1 = two("culprits")
+    assert r0 == r1
+    first8 = list(r0["numel"].items())[:8]  # rank 1's NaN batch makes every gradient wholly NaN: the first 8
+    assert r0["reports"] == [
+        (False, [{"name": "0.0.weight", "kind": "inf", "count": 1, "ranks": []},
+                 {"name": "11.weight", "kind": "nan", "count": 2, "ranks": []}]),
+        (False, [{"name": name, "kind": "nan", "count": numel, "ranks": [1]} for name, numel in first8]),
+        (True, []),
+    ]
 
 
 def test_the_skip_is_agreed_over_the_mesh_and_a_layer_unfrozen_later_trains_as_under_ddp(two):
