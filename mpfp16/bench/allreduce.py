@@ -23,7 +23,9 @@ fp16 model with the fp16 allreduce; fp16 with an fp32 allreduce; fp16 with the
 fp32-accumulate strategy; and, with ``fp16-sharded``, fp32 masters sharded by FSDP2
 (:func:`mpfp16.distributed.shard`), whose gradient reduce-scatters and parameter
 all-gathers replace the allreduce (its one-process row is the unsharded fp16 model).
-The optimizer is SGD with momentum.
+The optimizer is SGD with momentum; ``--accumulate-dtype fp32`` builds it with
+``accumulate_dtype=torch.float32`` (the micro-batches' gradients summed in fp32, the
+step's exchanges carrying the sum: the same bytes on the wire).
 Each runs ``--accum`` micro-batches per optimizer step, once with an allreduce on
 every micro-batch and once with ``no_sync`` on all but the last; a one-process
 baseline (rank 0 alone, the others idle) gives the compute-only rate. The table
@@ -52,6 +54,7 @@ from .timing import time_call
 
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ACCUMULATE_DTYPES = {None: None, "fp32": torch.float32}  # --accumulate-dtype: FP16Optimizer's accumulate_dtype
 
 
 def parse_size(text: str) -> int:
@@ -251,7 +254,8 @@ def _workload(args, rank: int, device: torch.device):
             (lambda net: nn.functional.cross_entropy(net(images), labels)))
 
 
-def _build(make_model, precision: str, device: torch.device, init_scale: float = 2.0**16, shard: bool = False):
+def _build(make_model, precision: str, device: torch.device, init_scale: float = 2.0**16, shard: bool = False,
+           accumulate_dtype: torch.dtype | None = None):
     from ..convert import to_half
     from ..optimizer import FP16Optimizer
     from ..scaler import DynamicLossScaler
@@ -264,7 +268,7 @@ def _build(make_model, precision: str, device: torch.device, init_scale: float =
         to_half(model)
     scaler = DynamicLossScaler(init_scale=init_scale) if precision == "fp16" else None
     opt = FP16Optimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), loss_scale=scaler,
-                        model=model if shard else None)
+                        model=model if shard else None, accumulate_dtype=accumulate_dtype)
     return model, opt
 
 
@@ -324,6 +328,7 @@ def _warm_up(net, opt, loss, accum: int, sync_every_micro: bool, stats) -> None:
 def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> list[dict]:
     device, world = info.device, info.world_size
     make_model, loss = _workload(args, info.rank, device)
+    accumulate_dtype = ACCUMULATE_DTYPES[args.accumulate_dtype]
     rows = []
     for key in args.setups:
         name, precision, wrap_kw = SETUPS[key]
@@ -333,7 +338,7 @@ def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> l
         # other modes' starting point, so it warms up even when its row is not asked for.
         single = torch.zeros(2, dtype=torch.float64, device=device)  # rate, the loss scale it settled on
         if info.rank == 0 and ("single" in args.modes or precision == "fp16"):
-            model, opt = _build(make_model, precision, device)
+            model, opt = _build(make_model, precision, device, accumulate_dtype=accumulate_dtype)
             opt.reduce_overflow = False
             _warm_up(model, opt, loss, args.accum, True, None)
             if "single" in args.modes:
@@ -344,7 +349,8 @@ def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> l
         dist.broadcast(single, src=0)
         # The same on every rank, starting from the settled scale.
         sharded = wrap_kw.get("shard", False)
-        model, opt = _build(make_model, precision, device, init_scale=float(single[1]), shard=sharded)
+        model, opt = _build(make_model, precision, device, init_scale=float(single[1]), shard=sharded,
+                            accumulate_dtype=accumulate_dtype)
         ddp = model if sharded else mdist.wrap(model, bucket_mb=args.bucket_mb, **wrap_kw)
         stats = mdist.comm_stats(ddp)
         if "single" in args.modes:
@@ -427,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--image-size", type=int, default=64, help="image side, torchvision models (default: 64)")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence, GPT sizes (default: 64)")
     g.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size (default: 25)")
+    g.add_argument("--accumulate-dtype", choices=[k for k in ACCUMULATE_DTYPES if k], default=None,
+                   help="FP16Optimizer(accumulate_dtype=torch.float32): sum the micro-batches' 16-bit gradients "
+                        "in fp32, the step's exchanges carrying the sum (not with fp16-sharded; default: the "
+                        "parameters' dtype, as apex)")
     p.add_argument("--wire-iface", default=None, metavar="IFACE",
                    help="also count the bytes this node sends on network interface IFACE (sysfs counters), "
                         "as mpfp16.bench.netem does on its emulated link (default: none)")
@@ -448,6 +458,9 @@ def main(argv=None) -> int:
     if args.model is not None:
         if args.model in GPT_SIZES and args.seq_len > GPT_SIZES[args.model]["seq_len"]:
             parser.error(f"--seq-len {args.seq_len}: {args.model} has {GPT_SIZES[args.model]['seq_len']} positions")
+    if args.accumulate_dtype is not None and "fp16-sharded" in args.setups:
+        parser.error("--accumulate-dtype fp32 is not possible with the fp16-sharded set-up: FSDP2 sums the "
+                     "micro-batches' gradients in its reduce_dtype; drop one of them")
     try:
         wire = WireCounter(args.wire_iface) if args.wire_iface else None
     except LinkError as exc:
@@ -470,12 +483,15 @@ def main(argv=None) -> int:
             shape = f"{args.seq_len} tokens" if args.model in GPT_SIZES else f"{args.image_size}px"
             header += (f", {args.model}, batch {args.batch_size} at {shape}, "
                        f"{args.accum} micro-batches per step, median of {args.steps} steps")
+            if args.accumulate_dtype is not None:
+                header += f", accumulate_dtype {args.accumulate_dtype}"
         if info.is_main_process:
             print(header)
             print(text)
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"world_size": info.world_size, "backend": info.backend, "rows": rows}, f, indent=1)
+                    json.dump({"world_size": info.world_size, "backend": info.backend, "rows": rows,
+                               "accumulate_dtype": args.accumulate_dtype}, f, indent=1)
             if args.plot and args.model is None:
                 plot_sweep(rows, args.plot, f"allreduce, {info.world_size} ranks, {info.backend}")
     finally:

@@ -3,7 +3,7 @@ loop, each as time, as memory traffic, and as a fraction of this machine's memor
 bandwidth measured in the same run.
 
     python -m mpfp16.bench.step [--model resnet50|gpt2|NAME] [--optimizer sgd|sgd-nowd|adamw|adam]
-                                [--threads 1,2] [--json PATH]
+                                [--threads 1,2] [--skipped] [--remainder] [--json PATH]
 
 Every method steps a parameter set with the shapes of a model (a torchvision model by
 name, ResNet-50 by default: 25.6M parameters in 161 tensors; or ``gpt2``, GPT-2
@@ -25,6 +25,19 @@ own fp32 step:
   g. d with ``unscale_()`` called before ``step()`` (the order of a user who clips
      with their own function): the fp32 gradients the fused step otherwise never
      writes, and kernels that read them.
+
+With ``--skipped``, two more rows, and the cost of the loss flag ``opt.backward()``
+records (docs/OVERFLOW.md):
+
+  h. d's step when a gradient holds one inf: the step is skipped, and
+     ``opt.last_overflow`` names the parameter (the scan runs on skipped steps only);
+  i. that scan alone (``store.nonfinite_grads``), the part of h a clean step never runs.
+
+With ``--remainder``, bf16 side by side (docs/REMAINDER.md), both fused:
+
+  j. bf16 weights with fp32 masters;
+  k. bf16 weights with ``master_weights="remainder"``: the fp32 masters held as the
+     weights and an int16 remainder each, rebuilt and split again inside the kernel.
 
 **The limit.** Before the methods, for each thread count, the run measures memory
 bandwidth with torch ops over fp32 buffers far larger than any cache: a copy
@@ -48,8 +61,9 @@ import torch
 import torch.nn as nn
 
 from ..convert import NORM_TYPES
-from ..optimizer import FP16Optimizer
-from .timing import time_call
+from ..optimizer import OVERFLOW_REPORTED, FP16Optimizer
+from ..scaler import LossScaler
+from .timing import Timer, time_call
 
 LOSS_SCALE = 1024.0
 OPTIMIZERS = ("sgd", "sgd-nowd", "adamw", "adam")
@@ -88,6 +102,14 @@ def traffic(kind: str, device_type: str = "cpu") -> dict[str, int]:
        weight written (12): 32.
     g. d after unscale_(): fp16 grad -> fp32 plus unscale and check (14), the kernel
        reads the fp32 gradient (2 more than d's).
+    h. a skipped step: the check (2), the overflow scan (2), zero_grad writes (2).
+    i. the overflow scan alone: its largest magnitude per tensor reads the fp16
+       gradients (2; the counts of the one tensor flagged are not counted).
+    j. bf16 with fp32 masters: as d.
+    k. bf16 with remainders: as j, but the kernel reads the weight and its remainder
+       (2 + 2) for the master (4), and writes them (2 + 2) for the master and the
+       weight (4 + 2): 2 bytes less (one pass for Adam too: its weight decay needs
+       the master).
     """
     sgd = kind.startswith("sgd")
     torch_step = _torch_step_bytes(kind, fused=False)
@@ -100,6 +122,10 @@ def traffic(kind: str, device_type: str = "cpu") -> dict[str, int]:
         "e": 14 + torch_step + 6,
         "f": 2 + (32 if kind == "adam" and device_type == "cpu" else fused_kernel - 6),
         "g": 14 + fused_kernel + 2,
+        "h": 2 + 2 + 2,
+        "i": 2,
+        "j": 2 + fused_kernel,
+        "k": 2 + fused_kernel - 2,
     }
 
 
@@ -203,8 +229,8 @@ class _Mpfp16:
 
     def __init__(self, kind: str, params, dtype=torch.float16, **kw) -> None:
         self.params = [nn.Parameter(p.detach().to(dtype if half else torch.float32)) for p, half in params]
-        self.opt = FP16Optimizer(inner_optimizer(kind, self.params),
-                                 loss_scale=LOSS_SCALE if dtype == torch.float16 else None, **kw)
+        kw.setdefault("loss_scale", LOSS_SCALE if dtype == torch.float16 else None)
+        self.opt = FP16Optimizer(inner_optimizer(kind, self.params), **kw)
         scale = LOSS_SCALE if dtype == torch.float16 else 1.0
         with torch.no_grad():
             for p in self.params:
@@ -221,6 +247,44 @@ class _Mpfp16:
     def unscale_and_step(self) -> bool:
         self.opt.unscale_()
         return self.opt.step()
+
+
+class _Skipping(_Mpfp16):
+    """h/i: d, with one inf in the gradient of its last 16-bit parameter: every step
+    is skipped (a static scale that never declares itself stuck)."""
+
+    def __init__(self, kind: str, params) -> None:
+        super().__init__(kind, params, fused=True, loss_scale=LossScaler(LOSS_SCALE, stuck_after=1 << 30))
+        self.culprit = max(i for i, (_, half) in enumerate(params) if half)
+        self.poison()
+
+    def poison(self) -> None:
+        """A backward pass (untimed), then the inf."""
+        self._touch()
+        with torch.no_grad():
+            self.params[self.culprit].grad.view(-1)[0] = float("inf")
+
+    def skipped_step(self) -> None:
+        if self.opt.step() or self.opt.last_overflow[0]["count"] != 1:
+            raise RuntimeError("the step with an inf gradient was not skipped with one culprit")
+
+    def scan(self) -> None:
+        self.opt.store.nonfinite_grads(OVERFLOW_REPORTED)
+
+
+def loss_flag_us(device: torch.device, calls: int = 2000) -> float:
+    """Microseconds of what ``opt.backward()`` adds to each backward pass for
+    ``last_overflow``, for a scalar loss: ``isfinite(loss)``, and-ed into the step's
+    flag (from a step's second backward on, accumulation micro-batches), left on the
+    device (no host synchronization), median of ``calls``."""
+    loss = torch.ones((), device=device, requires_grad=True) * 2.0
+    flag = torch.isfinite(loss.detach())
+    times = []
+    for _ in range(calls):
+        with Timer(device) as t:
+            flag = flag & torch.isfinite(loss.detach())
+        times.append(t.seconds)
+    return statistics.median(times) * 1e6
 
 
 def compare(methods: dict, rounds: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
@@ -273,6 +337,11 @@ def main(argv=None) -> int:
                         help="elements per fp32 buffer of the bandwidth measurement (default: 2^26, 256 MB)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON (default: none)")
+    parser.add_argument("--skipped", action="store_true",
+                        help="also time a skipped step (one inf in one gradient) and its overflow scan alone (h, i), "
+                             "and the loss flag opt.backward() records")
+    parser.add_argument("--remainder", action="store_true",
+                        help="also time bf16 with fp32 masters and with master_weights='remainder' side by side (j, k)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         parser.error("--rounds must be >= 1 and --warmup >= 0")
@@ -308,6 +377,15 @@ def main(argv=None) -> int:
         "f. mpfp16 no masters": (nomaster16._touch, nomaster16.step),
         "g. mpfp16 fused, unscale_()": (unscaled16._touch, unscaled16.unscale_and_step),
     }
+    if args.skipped:
+        skipping16, scanned16 = _Skipping(kind, params), _Skipping(kind, params)
+        methods["h. d skipped (1 inf), named"] = (skipping16.poison, skipping16.skipped_step)
+        methods["i. h's overflow scan alone"] = (None, scanned16.scan)
+    if args.remainder:
+        bf16_masters = _Mpfp16(kind, params, dtype=torch.bfloat16, fused=True)
+        bf16_held = _Mpfp16(kind, params, dtype=torch.bfloat16, fused=True, master_weights="remainder")
+        methods["j. bf16 + fp32 masters"] = (bf16_masters._touch, bf16_masters.step)
+        methods["k. bf16, remainder masters"] = (bf16_held._touch, bf16_held.step)
     bytes_per_param = traffic(kind, device.type)
     where = cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"# {args.model} shapes: {numel:,} parameters in {len(params)} tensors; {kind}; {device.type} ({where}); "
@@ -333,11 +411,21 @@ def main(argv=None) -> int:
                 rows.append({"method": name, "median_ms": t * 1e3, "ratio": t / ref, "bytes_per_param": moved,
                              "gb_per_s": gbps, "fraction_of_limit": gbps / limit})
                 print(f"{name:<34}{t * 1e3:>9.2f}{t / ref:>8.2f}{moved:>9d}{gbps:>8.1f}{gbps / limit:>10.2f}")
+            if args.remainder:
+                k, j = (statistics.median(times[name]) for name in ("k. bf16, remainder masters",
+                                                                    "j. bf16 + fp32 masters"))
+                print(f"k / j (remainder against fp32 masters, bf16): {k / j:.3f}")
             results.append({"threads": n, "bandwidth_gb_per_s": bandwidth, "limit_gb_per_s": limit, "rows": rows})
     finally:
         torch.set_num_threads(before)
-    if not (fused16.opt.fused and nomaster16.opt.fused and unscaled16.opt.fused):
+    bf16_fused = not args.remainder or (bf16_masters.opt.fused and bf16_held.opt.fused)
+    if not (fused16.opt.fused and nomaster16.opt.fused and unscaled16.opt.fused and bf16_fused):
         print("warning: the fused path was not used (see the log line above)", file=sys.stderr)
+    flag_us = None
+    if args.skipped:
+        flag_us = loss_flag_us(device)
+        print(f"\nopt.backward()'s loss flag for last_overflow (isfinite(loss), and-ed, no host sync): "
+              f"{flag_us:.1f} us per backward pass")
 
     bf16 = _Mpfp16(kind, params, dtype=torch.bfloat16, fused=True)
     for holder in (fused16, unfused16, nomaster16, bf16):
@@ -349,8 +437,14 @@ def main(argv=None) -> int:
         "fp16, no masters (fused)": nomaster16.opt.memory_bytes_per_param(),
         "bf16 + fp32 masters (fused)": bf16.opt.memory_bytes_per_param(),
     }
+    if args.remainder:
+        bf16_held._touch()
+        bf16_held.step()
+        memory["bf16, remainder masters (fused)"] = bf16_held.opt.memory_bytes_per_param()
     print("\n# optimizer-side memory between steps, bytes per parameter")
     keys = ["model_weights", "model_grads", "master_weights", "master_grads", "optimizer_state", "total"]
+    if args.remainder:
+        keys.insert(-1, "master_remainder")
     print(f"{'mode':<32}" + "".join(f"{k:>16}" for k in keys))
     for mode, report in memory.items():
         print(f"{mode:<32}" + "".join(f"{report[k]:>16.2f}" for k in keys))
@@ -358,7 +452,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "numel": numel, "tensors": len(params), "optimizer": kind,
                        "device": device.type, "cpu": cpu_model(), "results": results,
-                       "memory_bytes_per_param": memory}, f, indent=1)
+                       "memory_bytes_per_param": memory, "loss_flag_us": flag_us}, f, indent=1)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 NAME: lost-updates (Micikevicius et al. §3.1), underflow (§3.2), regularizer (the
 no-master regularizer claim, several seeds), loss-scale (a dynamic loss-scale trace),
-or all. Each finishes in under about 10 minutes on a 2-core CPU.
+accumulation (how far fp16 and fp32 sums of micro-batch gradients are from the exact
+sum; writes docs/ACCUMULATION.md unless --doc is given), or all. Each finishes in under
+about 10 minutes on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=EXPERIMENTS + ("all",), help="the experiment")
     parser.add_argument("--out", default="docs/img", help="where the plots go (default: docs/img)")
-    parser.add_argument("--doc", default="docs/EXPERIMENTS.md",
-                        help="the markdown file whose section is written (default: docs/EXPERIMENTS.md)")
+    parser.add_argument("--doc", default=None,
+                        help="the markdown file whose section is written (default: docs/EXPERIMENTS.md; "
+                             "docs/ACCUMULATION.md for accumulation)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the single-run experiments (default: 0)")
     parser.add_argument("--seeds", default="0,1,2", help="seeds of the regularizer experiment (default: 0,1,2)")
     parser.add_argument("--quick", action="store_true", help="a tiny version in seconds (default: off)")
+    parser.add_argument("--models", default=None,
+                        help="accumulation only: comma-separated, of resnet18, imagegpt-s, gpt2 (default: all)")
     args = parser.parse_args(argv)
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -31,23 +36,32 @@ def main(argv=None) -> int:
         parser.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
     if not seeds:
         parser.error("--seeds is empty")
+    from .accumulation import parse_models
 
-    from . import common, loss_scale, lost_updates, regularizer, underflow
+    try:
+        models = parse_models(args.models)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    from . import accumulation, common, loss_scale, lost_updates, regularizer, underflow
 
     setup = common.quick(common.Setup()) if args.quick else common.Setup()
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     for name in names:
         started = time.perf_counter()
-        if name == "lost-updates":
-            lost_updates.run(setup, args.seed, args.out, args.doc)
+        doc = args.doc or (accumulation.DOC if name == "accumulation" else "docs/EXPERIMENTS.md")
+        if name == "accumulation":
+            accumulation.run(args.quick, doc, models)
+        elif name == "lost-updates":
+            lost_updates.run(setup, args.seed, args.out, doc)
         elif name == "underflow":
-            underflow.run(setup, args.seed, args.out, args.doc)
+            underflow.run(setup, args.seed, args.out, doc)
         elif name == "regularizer":
-            regularizer.run(setup, seeds, args.out, args.doc)
+            regularizer.run(setup, seeds, args.out, doc)
         else:
-            loss_scale.run(setup, args.seed, args.out, args.doc)
-        print(f"{name}: done in {time.perf_counter() - started:.0f}s; section written to {args.doc}, "
-              f"plots in {args.out}")
+            loss_scale.run(setup, args.seed, args.out, doc)
+        print(f"{name}: done in {time.perf_counter() - started:.0f}s; section written to {doc}"
+              + (f", plots in {args.out}" if name != "accumulation" else ""))
     return 0
 
 
