@@ -109,7 +109,10 @@ class Carry:
 
     @classmethod
     def of(cls, bucket) -> Carry | None:
-        """The bucket's open sums (each owner marked as carried), or None."""
+        """The bucket's open sums (each owner marked as carried), or None (at once,
+        without reading the bucket, when no optimizer accumulates in fp32)."""
+        if not _SUMS:
+            return None
         sums = open_sums(bucket.parameters())
         if sums is None:
             return None

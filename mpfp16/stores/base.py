@@ -47,15 +47,20 @@ def inv_scale_tensor(scale: float, device: torch.device) -> torch.Tensor:
     return torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
 
 
+def _by_device(items, tensor_of) -> dict:
+    """``items`` by the device of ``tensor_of(item)``, each list in the given order."""
+    by_device: dict[torch.device, list] = defaultdict(list)
+    for item in items:
+        by_device[tensor_of(item).device].append(item)
+    return by_device
+
+
 def unscale_and_check(grads: list[torch.Tensor], scale: float) -> torch.Tensor:
     """``grads /= scale`` in place, and whether any value is inf/NaN, in one pass per
     tensor (GradScaler's own kernel). Returns [flag] as an fp32 tensor on the first
     tensor's device (1.0: found)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        by_device[g.device].append(g)
     found = []
-    for device, tensors in by_device.items():
+    for device, tensors in _by_device(grads, lambda t: t).items():
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale_tensor(scale, device).view(1))
         found.append(found_inf)
@@ -65,13 +70,6 @@ def unscale_and_check(grads: list[torch.Tensor], scale: float) -> torch.Tensor:
     for other in found[1:]:
         first += other.to(first.device)
     return first
-
-
-def _by_device(items: list) -> dict:
-    by_device: dict[torch.device, list] = defaultdict(list)
-    for item in items:
-        by_device[item[1].device].append(item)
-    return by_device
 
 
 def find_nonfinite(pairs, limit: int) -> list[tuple[int, int, int]]:
@@ -84,13 +82,13 @@ def find_nonfinite(pairs, limit: int) -> list[tuple[int, int, int]]:
     counted, with one more host read per device."""
     items = sorted(((i, t) for i, t in pairs if t is not None and t.numel()), key=lambda item: item[0])
     flagged = []
-    for device_items in _by_device(items).values():
+    for device_items in _by_device(items, lambda item: item[1]).values():
         ends = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in device_items])
         bad = (~torch.isfinite(ends).all(dim=1)).tolist()
         flagged += [item for item, b in zip(device_items, bad) if b]
     flagged = sorted(flagged, key=lambda item: item[0])[:limit]
     found = []
-    for device_items in _by_device(flagged).values():
+    for device_items in _by_device(flagged, lambda item: item[1]).values():
         counts = torch.stack([torch.stack([torch.count_nonzero(t.isnan()), torch.count_nonzero(t.isinf())])
                               for _, t in device_items]).tolist()
         found += [(i, nans, infs) for (i, _), (nans, infs) in zip(device_items, counts)]

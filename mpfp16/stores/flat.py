@@ -149,6 +149,11 @@ class FlatGroup:
         fresh tensor)."""
         self._check_storage()
         self._resync()
+        self._reattach_grads()
+
+    def _reattach_grads(self) -> None:
+        """Make every ``.grad`` the view of the buffer again, with the value of the
+        gradient that replaced it (zero where it was set to None)."""
         for p, g in zip(self.params, self.grad_views):
             if p.grad is g:
                 continue
@@ -246,10 +251,10 @@ class FlatGroup:
         while the buffer is released between steps; they are read only while it is not)."""
         released = self.master_grads.untyped_storage().nbytes() == 0
         self._restore_master_grads()
-        self._sums = self.layout.views(self.master_grads)
+        views = self.layout.views(self.master_grads)
         if released:
             flat.release(self.master_grads)
-        return self._sums
+        return views
 
     def open_sum(self) -> None:
         """The first backward of a step: the fp32 sum starts at zero."""
@@ -259,14 +264,10 @@ class FlatGroup:
     def accumulate(self) -> None:
         """After a backward: the fresh 16-bit gradients into the fp32 sum, and zeroed.
         A gradient that is no longer a view of the buffer (``model.zero_grad()`` set it
-        to None, and autograd made a new one) is added too, and the view put back."""
+        to None, and autograd made a new one) is put back in it first, so it is added too."""
+        self._reattach_grads()
         accumulation.add_widened(self.master_grads, self.grads)
         self.grads.zero_()
-        for p, g, total in zip(self.params, self.grad_views, self._sums):
-            if p.grad is not g:
-                if p.grad is not None:
-                    total.add_(p.grad)
-                p.grad = g
 
     def grads_to_master(self) -> None:
         """16-bit gradients into the fp32 master gradients, exactly (a 16-bit value is an
