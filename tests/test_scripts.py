@@ -136,7 +136,8 @@ def test_embedded_cifar_data_is_learnable(tmp_path, capsys):
     ["--precision", "fp16", "-b", "8", "--accum-steps", "2", "--accumulate-dtype", "fp32", "--max-grad-norm", "5"],
     ["--precision", "fp16", "--no-master-weights", "--optimizer", "adamw", "--lr", "0.01"],
     ["--precision", "bf16"],
-], ids=["fp16-accum-fp32-sum-clip", "fp16-no-master-adamw", "bf16"])
+    ["--precision", "bf16", "--master-weights", "remainder", "--optimizer", "adamw", "--lr", "0.01"],
+], ids=["fp16-accum-fp32-sum-clip", "fp16-no-master-adamw", "bf16", "bf16-remainder-adamw"])
 def test_resume_mid_epoch_is_bit_identical(cifar_root, tmp_path, capsys, extra):
     """10 steps, a resume, 10 more == 20 straight steps (an epoch is 12 steps here, so
     the resume lands mid-epoch and the run crosses an epoch boundary after it)."""
@@ -146,6 +147,8 @@ def test_resume_mid_epoch_is_bit_identical(cifar_root, tmp_path, capsys, extra):
     assert run_main(train_cifar.main, common + ["--max-steps", "10", "--checkpoint-dir", str(parts)], capsys)[0] == 0
     mid = torch.load(parts / "last.pt", weights_only=True)
     assert mid["step"] == 10 and mid["epoch"] == 0 and mid["batches_done"] > 0  # mid-epoch
+    assert mid["optimizer"]["master_mode"] == ("remainder" if "remainder" in extra else
+                                               "none" if "--no-master-weights" in extra else "fp32")
     assert run_main(train_cifar.main, common + ["--max-steps", "20", "--checkpoint-dir", str(parts),
                                                 "--resume", "auto"], capsys)[0] == 0
     assert_same_final_state(straight / "last.pt", parts / "last.pt")
