@@ -11,6 +11,9 @@ setup(
     python_requires=">=3.11",  # the fused kernels name their code objects with co_qualname
     # torch is not pinned: install the build you want first (README); pip then keeps it.
     install_requires=["torch>=2.6", "torchvision>=0.21", "numpy", "tqdm"],
-    extras_require={"dev": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis", "matplotlib", "import-linter"]},
+    # lightning: mpfp16.integrations.lightning (the Trainer and Fabric plugins); dev: the test suite, which tests it.
+    extras_require={"lightning": ["lightning>=2.4"],
+                    "dev": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis", "matplotlib",
+                            "import-linter", "lightning>=2.4"]},
     license="BSD-3-Clause",
 )

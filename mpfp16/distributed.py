@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .errors import ReplicaDivergenceError
 from .parallel.base import (all_gather_object, broadcast_buffers, broadcast_object, gather_object, get_rank,
                             get_world_size, is_initialized, is_main_process)
-from .parallel.ddp import comm_state_dict, load_comm_state_dict, wrap
+from .parallel.ddp import attach, comm_state_dict, load_comm_state_dict, wrap
 from .parallel.fsdp import set_gradient_sync, shard
 from .parallel.handles import handle_of
 from .parallel.hooks import CommStats
@@ -34,7 +34,7 @@ from .parallel.replicas import check_replicas
 from .parallel.setup import BACKENDS, DEFAULT_TIMEOUT_S, DistInfo, init, teardown  # BACKENDS: the choices of init()
 
 __all__ = [
-    "DistInfo", "init", "teardown", "wrap", "shard", "sync_gradients", "comm_stats", "comm_state_dict",
+    "DistInfo", "init", "teardown", "wrap", "attach", "shard", "sync_gradients", "comm_stats", "comm_state_dict",
     "load_comm_state_dict", "check_replicas", "ReplicaDivergenceError", "broadcast_buffers", "broadcast_object",
     "all_gather_object", "gather_object", "get_rank", "get_world_size", "is_main_process", "DEFAULT_TIMEOUT_S",
     "is_initialized", "BACKENDS",

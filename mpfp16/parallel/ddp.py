@@ -19,7 +19,7 @@ from .hooks import HOOKS, STRATEGIES, TORCH_STRATEGIES, HookState
 from .powersgd import RANDOM_SEED, PowerSGDMemory
 from .setup import close_at_teardown
 
-__all__ = ["wrap", "check_options", "comm_state_dict", "load_comm_state_dict", "WIRE_DTYPES"]
+__all__ = ["wrap", "attach", "check_options", "comm_state_dict", "load_comm_state_dict", "WIRE_DTYPES"]
 
 WIRE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)  # allreduce_dtype's choices; None: the gradients'
 
@@ -147,13 +147,57 @@ def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, pre
         gradient_as_bucket_view=False,
         **{sync_kw: broadcast_buffers},
     )
+    return _hook(ddp, model, strategy=strategy, allreduce_dtype=allreduce_dtype, predivide_factor=predivide_factor,
+                 powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter, process_group=process_group,
+                 rebuilds=static_graph or not find_unused_parameters)
+
+
+def attach(ddp: DistributedDataParallel, allreduce_dtype: torch.dtype | None = None, predivide_factor: float = 1.0,
+           strategy: str = "allreduce") -> DistributedDataParallel:
+    """Give a DistributedDataParallel module that someone else built (Lightning's
+    ``DDPStrategy``) what :func:`wrap` gives its own: mpfp16's communication hook, its
+    per-step accounting (``comm_stats``), the fp32-sum carry of
+    ``accumulate_dtype=torch.float32``, and the refusal of a layer unfrozen since.
+    Call it before the first backward pass.
+
+    Raises:
+        ValueError: in one line: an option :func:`check_options` refuses, a module
+            that already has a communication hook, or gradients that are views of
+            DDP's buckets (``gradient_as_bucket_view=True``: the gradients must stay
+            in the optimizer's flat buffers).
+    """
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"attach() takes a DistributedDataParallel module, got {type(ddp).__name__}")
+    if handle_of(ddp) is not None:
+        raise ValueError("this DDP module already has mpfp16's hook")
+    if ddp._comm_hooks:  # torch allows one hook per module
+        raise ValueError("this DDP module already has a communication hook; mpfp16 registers its own "
+                         "(leave the DDP strategy's ddp_comm_hook unset)")
+    if ddp.gradient_as_bucket_view:
+        raise ValueError("gradient_as_bucket_view=True makes the gradients views of DDP's buckets; mpfp16 keeps them "
+                         "in the optimizer's flat buffers: leave it False")
+    model = ddp.module
+    half = _half_dtypes(model)
+    check_options(strategy=strategy, allreduce_dtype=allreduce_dtype, predivide_factor=predivide_factor,
+                  bucket_mb=1, powersgd_rank=1, powersgd_start_iter=2, grads_16bit=bool(half),
+                  grad_dtypes=tuple(half))
+    if strategy == "powersgd":
+        raise ValueError("attach() takes strategy='allreduce' or 'fp32_accumulate' (PowerSGD's state needs the "
+                         "bucket layout wrap() records)")
+    return _hook(ddp, model, strategy=strategy, allreduce_dtype=allreduce_dtype, predivide_factor=predivide_factor,
+                 powersgd_rank=1, powersgd_start_iter=2, process_group=ddp.process_group, rebuilds=True)
+
+
+def _hook(ddp: DistributedDataParallel, model: torch.nn.Module, *, strategy: str, allreduce_dtype, predivide_factor,
+          powersgd_rank: int, powersgd_start_iter: int, process_group, rebuilds: bool) -> DistributedDataParallel:
+    """The hook, its state and the module's handle: what wrap() and attach() share."""
     state = HookState(process_group=process_group, allreduce_dtype=allreduce_dtype,
                       predivide_factor=float(predivide_factor))
     if strategy == "fp32_accumulate" and dist.get_world_size(process_group) > 1:  # a collective: every rank wraps
         state.exchange_group = dist.new_group(group_ranks(process_group))
     if strategy == "powersgd":
         state.powersgd = _powersgd_memory(model, ddp, process_group, powersgd_rank, powersgd_start_iter,
-                                          rebuilds=static_graph or not find_unused_parameters)
+                                          rebuilds=rebuilds)
     ddp.register_comm_hook(state, HOOKS[strategy])
     ddp.register_forward_pre_hook(lambda module, args: state.new_round())
     if any(not p.requires_grad for p in model.parameters()):

@@ -1,0 +1,339 @@
+"""The Lightning plugins' runs and their references, shared by tests/test_lightning.py
+(one process) and tests/test_lightning_ddp.py (worker groups, and a run killed with
+SIGKILL: :func:`main`).
+
+One tiny model and its data, trained three ways from the same initial weights:
+through ``lightning.Trainer`` with :class:`MPFP16Precision`, through ``Fabric`` with
+:class:`MPFP16FabricPrecision`, and by mpfp16's own loop (``to_half``,
+``FP16Optimizer``, ``opt.backward``, ``opt.step``) as the README writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import mpfp16
+import mpfp16.distributed as mdist
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
+warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+logging.getLogger("lightning").setLevel(logging.ERROR)
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+
+BATCH = 8
+QUIET = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+             num_sanity_val_steps=0)
+
+
+def make_net(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.LayerNorm(32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 4))
+
+
+def make_data(batches: int, rank: int = 0, inf_batches: tuple = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``batches`` batches of this rank's data (rank-seeded); in each of ``inf_batches``
+    one input is inf, so that the loss and the gradients are not finite there."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for i in range(batches):
+        x = torch.randn(BATCH, 8, generator=g) * 3
+        y = torch.randint(0, 4, (BATCH,), generator=g)
+        if i in inf_batches:
+            x[0, 0] = float("inf")
+        out.append((x, y))
+    return out
+
+
+def loader(data):
+    xs = torch.cat([x for x, _ in data])
+    ys = torch.cat([y for _, y in data])
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=BATCH, shuffle=False)
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01),
+}
+
+
+def plugin_kwargs(mode: dict) -> dict:
+    """The plugin's options for a test mode, less the scaler."""
+    return {k: mode[k] for k in ("dtype", "master_weights", "rounding", "accumulate_dtype") if k in mode}
+
+
+def optimizer_kwargs(mode: dict) -> dict:
+    """FP16Optimizer's options for a test mode, less the scaler: the plugin's, less the
+    dtype (to_half's)."""
+    return {k: v for k, v in plugin_kwargs(mode).items() if k != "dtype"}
+
+
+def new_scaler(mode: dict):
+    init = mode.get("init_scale")
+    return mpfp16.DynamicLossScaler(init_scale=init) if init is not None else "dynamic"
+
+
+def _lightning():
+    import lightning as L
+
+    return L
+
+
+def lit_module(net, mode):
+    L = _lightning()
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+            self.stepped = []  # after each optimizer step: was it taken
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):
+            opt = OPTIMIZERS[mode.get("optimizer", "sgd")](self.parameters())
+            if not mode.get("scheduler"):
+                return opt
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            plugin = self.trainer.precision_plugin
+            if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0 and hasattr(plugin, "last_step_skipped"):
+                self.stepped.append(not plugin.last_step_skipped)
+
+    return Lit()
+
+
+def fit_trainer(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = False, callbacks=(),
+                default_root_dir=None, ckpt_path=None, checkpointing: bool = False, net=None, precision=None):
+    """The Lightning Trainer run: (the LightningModule, the plugin, the trainer)."""
+    L = _lightning()
+    from mpfp16.integrations.lightning import MPFP16Precision
+
+    lit = lit_module(net if net is not None else make_net(seed), mode)
+    kwargs = dict(QUIET, max_epochs=epochs, devices=mdist.get_world_size() if ddp else 1,
+                  accumulate_grad_batches=mode.get("accum", 1), enable_checkpointing=checkpointing,
+                  callbacks=list(callbacks), default_root_dir=default_root_dir)
+    if mode.get("clip"):
+        kwargs.update(gradient_clip_val=mode["clip"], gradient_clip_algorithm=mode.get("clip_algorithm", "norm"))
+    if ddp:
+        kwargs.update(strategy="ddp", use_distributed_sampler=False)
+    if precision is None:
+        plugin = MPFP16Precision(loss_scale=new_scaler(mode), **plugin_kwargs(mode))
+        kwargs["plugins"] = [plugin]
+    else:
+        plugin = None
+        kwargs["precision"] = precision
+    trainer = L.Trainer(**kwargs)
+    environ = dict(os.environ)
+    try:
+        trainer.fit(lit, loader(data), ckpt_path=ckpt_path)
+    finally:  # Lightning's environment removes WORLD_SIZE at teardown; the worker's next case needs it
+        os.environ.update(environ)
+    return lit, plugin if plugin is not None else trainer.precision_plugin, trainer
+
+
+def own_loop(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = False, calls: list | None = None):
+    """mpfp16's own loop over the same batches, as the README writes it:
+    (the 16-bit model, its FP16Optimizer, what each step returned); under DDP, the
+    allreduce calls of each optimizer step are appended to ``calls``."""
+    net = mpfp16.to_half(make_net(seed), mode.get("dtype", torch.float16))
+    model = mdist.wrap(net) if ddp else net
+    opt = mpfp16.FP16Optimizer(OPTIMIZERS[mode.get("optimizer", "sgd")](net.parameters()),
+                               loss_scale=new_scaler(mode), model=net,
+                               max_grad_norm=mode.get("clip") if mode.get("clip_algorithm", "norm") == "norm" else None,
+                               **optimizer_kwargs(mode))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9) if mode.get("scheduler") else None
+    accum = mode.get("accum", 1)
+    stepped = []
+    for _ in range(epochs):
+        for i, (x, y) in enumerate(data):
+            if i % accum == 0:
+                opt.zero_grad()
+            last = (i + 1) % accum == 0
+            with mdist.sync_gradients(model, last):
+                opt.backward(F.cross_entropy(model(x), y) / accum)
+            if last:
+                if calls is not None:
+                    calls.append(mdist.comm_stats(model).pop_step()["allreduce_calls"])
+                if mode.get("clip") and mode.get("clip_algorithm") == "value":
+                    opt.unscale_()
+                    torch.nn.utils.clip_grad_value_(opt.master_params(), mode["clip"])
+                stepped.append(opt.step())
+                if sched is not None:
+                    sched.step()
+    return net, opt, stepped
+
+
+def fit_fabric(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = False):
+    """The Fabric loop, as Fabric's docs write it: (the model, the plugin, the Fabric
+    optimizer, what each step returned)."""
+    L = _lightning()
+    from mpfp16.integrations.lightning import MPFP16FabricPrecision
+
+    plugin = MPFP16FabricPrecision(loss_scale=new_scaler(mode), **plugin_kwargs(mode))
+    fabric = L.Fabric(accelerator="cpu", devices=mdist.get_world_size() if ddp else 1,
+                      strategy="ddp" if ddp else "auto", plugins=[plugin])
+    if ddp:
+        fabric.launch()  # the processes exist (LOCAL_RANK is set): this joins them
+    net = make_net(seed)
+    optimizer = OPTIMIZERS[mode.get("optimizer", "sgd")](net.parameters())
+    model, optimizer = fabric.setup(net, optimizer)
+    accum = mode.get("accum", 1)
+    stepped = []
+    for _ in range(epochs):
+        for i, (x, y) in enumerate(data):
+            if i % accum == 0:
+                optimizer.zero_grad()
+            last = (i + 1) % accum == 0
+            with fabric.no_backward_sync(model, enabled=not last):
+                fabric.backward(F.cross_entropy(model(x), y) / accum)
+            if last:
+                stepped.append(optimizer.step())
+    return net, plugin, optimizer, stepped
+
+
+def fabric_epoch(fabric, model, optimizer, data) -> list[bool]:
+    """One epoch of the Fabric loop, one optimizer step per batch."""
+    stepped = []
+    for x, y in data:
+        optimizer.zero_grad()
+        fabric.backward(F.cross_entropy(model(x), y))
+        stepped.append(optimizer.step())
+    return stepped
+
+
+def state(net, opt) -> dict:
+    """What must agree bit for bit: the 16-bit weights, the masters and the scaler."""
+    return {"weights": [p.detach().clone() for p in net.parameters()],
+            "masters": [m.detach().clone() for m in opt.master_params()],
+            "scale": opt.loss_scale, "skipped": opt.skipped_steps}
+
+
+def same(a: dict, b: dict) -> bool:
+    return (a["scale"] == b["scale"] and a["skipped"] == b["skipped"]
+            and all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
+            and all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"])))
+
+
+# ---------------------------------------------------------------- worker-group cases (2 ranks)
+
+
+def trainer_vs_own(rank: int, mode: dict, batches: int, epochs: int = 1) -> dict:
+    """Under DDP: the Trainer's run and the own loop's (mpfp16.distributed.wrap), with
+    this rank's own data; the allreduce calls of the plugin's optimizer steps."""
+    mdist.init()
+    data = make_data(batches, rank, mode.get("inf_batches", ()) if rank in mode.get("inf_ranks", (rank,)) else ())
+    calls = []
+
+    L = _lightning()
+
+    class Count(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+                calls.append(mdist.comm_stats(trainer.strategy.model).pop_step()["allreduce_calls"])
+
+    lit, plugin, trainer = fit_trainer(mode, data, epochs=epochs, ddp=True, callbacks=[Count()])
+    mdist.check_replicas(trainer.strategy.model, plugin.optimizer, buffers=False)
+    mine = state(lit.net, plugin.optimizer)
+    own_calls = []
+    net, opt, stepped = own_loop(mode, data, epochs=epochs, ddp=True, calls=own_calls)
+    return {"same": same(mine, state(net, opt)), "stepped": lit.stepped, "own_stepped": stepped, "calls": calls,
+            "own_calls": own_calls,
+            "global_step": trainer.global_step, "skipped": plugin.skipped_steps}
+
+
+def fabric_vs_own(rank: int, mode: dict, batches: int) -> dict:
+    """Under Fabric's DDP (stock DistributedDataParallel) and the own loop under the
+    same (torch's DistributedDataParallel around the to_half model)."""
+    mdist.init()
+    data = make_data(batches, rank, mode.get("inf_batches", ()))
+    net, plugin, _, stepped = fit_fabric(mode, data, ddp=True)
+    mine = state(net, plugin.optimizer)
+    ref = mpfp16.to_half(make_net(0), mode.get("dtype", torch.float16))
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    opt = mpfp16.FP16Optimizer(OPTIMIZERS[mode.get("optimizer", "sgd")](ref.parameters()),
+                               loss_scale=new_scaler(mode), **optimizer_kwargs(mode))
+    accum = mode.get("accum", 1)
+    own = []
+    for i, (x, y) in enumerate(data):
+        if i % accum == 0:
+            opt.zero_grad()
+        last = (i + 1) % accum == 0
+        with mdist.sync_gradients(ddp, last):
+            opt.backward(F.cross_entropy(ddp(x), y) / accum)
+        if last:
+            own.append(opt.step())
+    return {"same": same(mine, state(ref, opt)), "stepped": stepped, "own_stepped": own}
+
+
+def refused_comm_hook(rank: int) -> str:
+    """A DDP strategy given a communication hook of the user's: the plugin's own cannot
+    be registered, so fit() is refused."""
+    mdist.init()
+    L = _lightning()
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from mpfp16.integrations.lightning import MPFP16Precision
+
+    trainer = L.Trainer(**dict(QUIET, devices=2, max_epochs=1, enable_checkpointing=False,
+                               use_distributed_sampler=False),
+                        strategy=DDPStrategy(ddp_comm_hook=allreduce_hook), plugins=[MPFP16Precision()])
+    try:
+        trainer.fit(lit_module(make_net(0), {}), loader(make_data(2, rank)))
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
+
+
+# ---------------------------------------------------------------- a run that is killed, and its resume
+
+
+def main(argv=None) -> int:
+    """``--dir D --epochs E``: the Trainer run with a ModelCheckpoint in D (last.ckpt at
+    the end of every epoch), resumed from ``D/last.ckpt`` with ``--resume``; its final
+    state in ``D/final.pt``. ``--pause-after-epoch K`` sleeps once K epochs are saved,
+    so that a test can kill the process there with SIGKILL."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--pause-after-epoch", type=int, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    L = _lightning()
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    mode = {"optimizer": "adamw", "init_scale": 2.0 ** 20, "scheduler": True}
+
+    class Pause(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == args.pause_after_epoch:  # last.ckpt holds epoch K's end
+                print("paused", flush=True)
+                import time
+
+                time.sleep(600)
+
+    checkpoint = ModelCheckpoint(dirpath=args.dir, save_last=True, every_n_epochs=1)
+    ckpt = os.path.join(args.dir, "last.ckpt") if args.resume else None
+    lit, plugin, trainer = fit_trainer(mode, make_data(8, 0, inf_batches=(3,)), epochs=args.epochs,
+                                       callbacks=[checkpoint, Pause()], checkpointing=True, ckpt_path=ckpt,
+                                       default_root_dir=args.dir, net=make_net(7 if args.resume else 0))
+    torch.save(state(lit.net, plugin.optimizer), os.path.join(args.dir, "final.pt"))
+    return 0
+

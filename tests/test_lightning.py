@@ -1,0 +1,215 @@
+"""The Lightning plugins (mpfp16.integrations.lightning), in one process: the Trainer's
+and Fabric's runs bit for bit mpfp16's own loop, skips at the same steps, skipped steps
+counted as torch.amp's plugin counts them, clipping, logging, checkpoints and resume,
+and each refusal in one line. Two processes: tests/test_lightning_ddp.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning", reason="the lightning extra is not installed (pip install 'mpfp16[lightning]')")
+
+import lightning_workers as W  # noqa: E402
+
+from mpfp16.integrations.lightning import (LossScaleMonitor, MPFP16FabricPrecision, MPFP16Precision,  # noqa: E402
+                                           _refuse_trainer)
+
+MODES = {
+    "fp16-masters-sgd": {},
+    "bf16-masters-adamw": {"dtype": torch.bfloat16, "optimizer": "adamw"},
+    "fp16-no-masters-stochastic": {"master_weights": False, "rounding": "stochastic"},
+    "fp16-no-masters-kahan-adamw": {"master_weights": False, "rounding": "kahan", "optimizer": "adamw"},
+    "bf16-remainder": {"dtype": torch.bfloat16, "master_weights": "remainder"},
+    "fp16-accumulate-4": {"accum": 4},
+    "fp16-accumulate-4-fp32-sums": {"accum": 4, "accumulate_dtype": torch.float32},
+    "fp16-clip-norm-adamw-scheduler": {"optimizer": "adamw", "clip": 0.5, "scheduler": True},
+    "fp16-clip-value": {"clip": 0.05, "clip_algorithm": "value"},
+    "fp16-skips": {"init_scale": 2.0 ** 24, "inf_batches": (9,), "optimizer": "adamw"},
+}
+
+
+def _one_line(exc) -> str:
+    text = str(exc.value)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_trainer_is_the_own_loop_bit_for_bit(name):
+    mode = MODES[name]
+    data = W.make_data(16, inf_batches=mode.get("inf_batches", ()))
+    lit, plugin, trainer = W.fit_trainer(mode, data, epochs=2)
+    net, opt, stepped = W.own_loop(mode, data, epochs=2)
+    assert W.same(W.state(lit.net, plugin.optimizer), W.state(net, opt))
+    assert lit.stepped == stepped  # the same steps skipped
+    assert trainer.global_step == len(stepped)
+    assert next(lit.net.parameters()).dtype == mode.get("dtype", torch.float16)
+    assert lit.net[1].weight.dtype == torch.float32  # LayerNorm stays fp32, as to_half keeps it
+    if "init_scale" in mode:
+        assert stepped.count(False) == plugin.skipped_steps > 1
+
+
+@pytest.mark.parametrize("name", ["fp16-masters-sgd", "bf16-masters-adamw", "fp16-no-masters-kahan-adamw",
+                                  "fp16-accumulate-4-fp32-sums", "fp16-skips"])
+def test_fabric_is_the_own_loop_bit_for_bit(name):
+    mode = MODES[name]
+    data = W.make_data(16, inf_batches=mode.get("inf_batches", ()))
+    net, plugin, optimizer, stepped = W.fit_fabric(mode, data, epochs=2)
+    ref, opt, own = W.own_loop(mode, data, epochs=2)
+    assert W.same(W.state(net, plugin.optimizer), W.state(ref, opt))
+    assert stepped == own
+    assert optimizer.optimizer is plugin.optimizer  # the Fabric optimizer now steps the FP16Optimizer
+
+
+def test_skipped_steps_count_as_with_torch_amp():
+    """A skipped step is an optimizer step to Lightning, with torch.amp's GradScaler
+    ("16-mixed") as with the plugin: global_step and a per-step scheduler count it."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    mode = {"scheduler": True}
+    data = W.make_data(16, inf_batches=(5,))
+    amp = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    lit = W.lit_module(W.make_net(0), mode)
+    ref = L.Trainer(**dict(W.QUIET, max_epochs=1, devices=1, enable_checkpointing=False), plugins=[amp])
+    ref.fit(lit, W.loader(data))
+    mine, plugin, trainer = W.fit_trainer(mode, data)
+    assert amp.scaler.get_scale() == 2.0 ** 15 and plugin.loss_scale == 2.0 ** 15  # one skip each, halved once
+    assert mine.stepped.count(False) == plugin.skipped_steps == 1
+    assert trainer.global_step == ref.global_step == 16
+    assert (trainer.lr_scheduler_configs[0].scheduler.last_epoch
+            == ref.lr_scheduler_configs[0].scheduler.last_epoch == 16)
+
+
+def test_loss_scale_monitor_logs_the_scale_and_the_skips():
+    mode = {"init_scale": 2.0 ** 24}
+    _, plugin, trainer = W.fit_trainer(mode, W.make_data(8), callbacks=[LossScaleMonitor()])
+    metrics = trainer.callback_metrics
+    assert float(metrics["loss_scale"]) == plugin.loss_scale
+    assert float(metrics["skipped_steps"]) == plugin.skipped_steps > 0
+
+
+def test_resume_from_a_lightning_checkpoint_is_bit_identical(tmp_path):
+    """ModelCheckpoint's last.ckpt after 2 epochs, resumed by fit(ckpt_path=...) into a
+    model built from other weights, ends where 4 uninterrupted epochs end; the
+    checkpoint holds FP16Optimizer's state (masters, inner state, scaler) and loads
+    with weights_only=True."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    mode = {"optimizer": "adamw", "init_scale": 2.0 ** 20, "scheduler": True}
+    data = W.make_data(8, inf_batches=(3,))
+    whole, plugin, _ = W.fit_trainer(mode, data, epochs=4)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
+    W.fit_trainer(mode, data, epochs=2, callbacks=[ckpt], checkpointing=True, default_root_dir=tmp_path)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    opt_state = saved["optimizer_states"][0]
+    assert {"format", "optimizer", "scaler", "master_weights"} <= set(opt_state)
+    resumed, plugin2, trainer = W.fit_trainer(mode, data, epochs=4, net=W.make_net(5), checkpointing=True,
+                                              callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+                                              ckpt_path=str(tmp_path / "last.ckpt"), default_root_dir=tmp_path)
+    assert trainer.global_step == 32 and plugin2.skipped_steps == plugin.skipped_steps > 4
+    assert W.same(W.state(resumed.net, plugin2.optimizer), W.state(whole.net, plugin.optimizer))
+
+
+def test_fabric_save_and_load_carry_the_masters(tmp_path):
+    """fabric.save after a step holds FP16Optimizer's state; fabric.load into a freshly
+    set-up model and optimizer (before any backward) restores it, and training goes on
+    bit for bit as without the interruption."""
+    mode = {"optimizer": "adamw", "init_scale": 2.0 ** 20}
+    data = W.make_data(8, inf_batches=(2,))
+    net, plugin, _, _ = W.fit_fabric(mode, data, epochs=2)
+    # the same, stopped after one epoch, saved, loaded into a new set-up, and one more epoch
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MPFP16FabricPrecision(loss_scale=W.new_scaler(mode))])
+    first = W.make_net(0)
+    model, optimizer = fabric.setup(first, W.OPTIMIZERS["adamw"](first.parameters()))
+    W.fabric_epoch(fabric, model, optimizer, data)
+    fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer})
+    assert {"format", "scaler"} <= set(torch.load(tmp_path / "ckpt.pt", weights_only=True)["optimizer"])
+    plugin2 = MPFP16FabricPrecision(loss_scale=W.new_scaler(mode))
+    fabric2 = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin2])
+    second = W.make_net(3)
+    model2, optimizer2 = fabric2.setup(second, W.OPTIMIZERS["adamw"](second.parameters()))
+    fabric2.load(tmp_path / "ckpt.pt", {"model": model2, "optimizer": optimizer2})
+    assert optimizer2.optimizer is plugin2.optimizer
+    W.fabric_epoch(fabric2, model2, optimizer2, data)
+    assert W.same(W.state(second, plugin2.optimizer), W.state(net, plugin.optimizer))
+
+
+# ---------------------------------------------------------------- refusals, in one line
+
+
+def test_options_are_refused_when_the_plugin_is_built():
+    for plugin in (MPFP16Precision, MPFP16FabricPrecision):
+        for kwargs, words in (({"dtype": torch.float32}, "dtype must be"),
+                              ({"rounding": "kahan"}, "needs master_weights=False"),
+                              ({"loss_scale": "auto"}, "loss_scale must be"),
+                              ({"accumulate_dtype": torch.float16}, "accumulate_dtype"),
+                              ({"dtype": torch.float16, "master_weights": "remainder"}, "bf16")):
+            with pytest.raises(ValueError) as exc:
+                plugin(**kwargs)
+            assert words in _one_line(exc)
+    with pytest.raises(ValueError) as exc:
+        MPFP16Precision(allreduce_dtype=torch.int8)
+    assert "allreduce_dtype" in _one_line(exc)
+
+
+def _fit(lit, **kwargs):
+    trainer = L.Trainer(**dict(W.QUIET, max_epochs=1, devices=1, enable_checkpointing=False),
+                        plugins=[MPFP16Precision()], **kwargs)
+    trainer.fit(lit, W.loader(W.make_data(2)))
+
+
+def test_trainer_refusals():
+    cases = []
+    two = W.lit_module(W.make_net(0), {})
+    two.configure_optimizers = lambda: [torch.optim.SGD(two.net[0].parameters(), lr=0.1),
+                                        torch.optim.SGD(two.net[3].parameters(), lr=0.1)]
+    # Lightning refuses this itself (several optimizers need manual optimization, which the plugin refuses)
+    cases.append((two, "multiple optimizers is only supported with manual optimization"))
+    lbfgs = W.lit_module(W.make_net(0), {})
+    lbfgs.configure_optimizers = lambda: torch.optim.LBFGS(lbfgs.parameters())
+    cases.append((lbfgs, "LBFGS"))
+    wrapped = W.lit_module(W.make_net(0), {})
+    wrapped.configure_optimizers = lambda: __import__("mpfp16").FP16Optimizer(
+        torch.optim.SGD(wrapped.parameters(), lr=0.1))
+    cases.append((wrapped, "already an FP16Optimizer"))
+    manual = W.lit_module(W.make_net(0), {})
+    manual.automatic_optimization = False
+    cases.append((manual, "needs automatic optimization"))
+    for lit, words in cases:
+        with pytest.raises((ValueError, RuntimeError)) as exc:
+            _fit(lit)
+        assert words in _one_line(exc)
+
+
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy"])
+def test_sharding_strategies_are_refused(strategy):
+    """Lightning refuses FSDP and model parallelism on a CPU itself; what the plugin
+    says under them, where a GPU would let them through."""
+    import lightning.pytorch.strategies as S
+
+    cls = getattr(S, strategy)
+    fake = SimpleNamespace(strategy=cls.__new__(cls))
+    with pytest.raises(ValueError) as exc:
+        _refuse_trainer(fake, W.lit_module(W.make_net(0), {}))
+    assert f"not {strategy}" in _one_line(exc)
+
+
+def test_fabric_refusals():
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MPFP16FabricPrecision()])
+    net = W.make_net(0)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError) as exc:
+        optimizer.step()  # no backward yet: nothing was wrapped
+    assert "run fabric.backward(loss) before" in _one_line(exc)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MPFP16FabricPrecision()])
+    net = W.make_net(0)
+    model = fabric.setup_module(net)
+    held = [fabric.setup_optimizers(torch.optim.SGD(net[0].parameters(), lr=0.1)),
+            fabric.setup_optimizers(torch.optim.SGD(net[3].parameters(), lr=0.1))]
+    x, y = W.make_data(1)[0]
+    with pytest.raises(RuntimeError) as exc:
+        fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
+    assert "2 optimizers" in _one_line(exc) and len(held) == 2
