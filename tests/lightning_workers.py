@@ -147,12 +147,16 @@ def fit_trainer(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool =
     return lit, plugin if plugin is not None else trainer.precision_plugin, trainer
 
 
-def own_loop(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = False, calls: list | None = None):
+def own_loop(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: str | None = None,
+             calls: list | None = None):
     """mpfp16's own loop over the same batches, as the README writes it:
-    (the 16-bit model, its FP16Optimizer, what each step returned); under DDP, the
-    allreduce calls of each optimizer step are appended to ``calls``."""
+    (the 16-bit model, its FP16Optimizer, what each step returned). ``ddp``:
+    ``"mpfp16"`` wraps the model with mpfp16.distributed.wrap, ``"torch"`` in torch's
+    own DistributedDataParallel; the allreduce calls of each optimizer step are
+    appended to ``calls`` (mpfp16's wrap counts them)."""
     net = mpfp16.to_half(make_net(seed), mode.get("dtype", torch.float16))
-    model = mdist.wrap(net) if ddp else net
+    model = {None: lambda m: m, "mpfp16": mdist.wrap,
+             "torch": torch.nn.parallel.DistributedDataParallel}[ddp](net)
     opt = mpfp16.FP16Optimizer(OPTIMIZERS[mode.get("optimizer", "sgd")](net.parameters()),
                                loss_scale=new_scaler(mode), model=net,
                                max_grad_norm=mode.get("clip") if mode.get("clip_algorithm", "norm") == "norm" else None,
@@ -203,6 +207,8 @@ def fit_fabric(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = 
             with fabric.no_backward_sync(model, enabled=not last):
                 fabric.backward(F.cross_entropy(model(x), y) / accum)
             if last:
+                if mode.get("clip"):  # an overflowed step is skipped, not an error
+                    fabric.clip_gradients(model, optimizer, max_norm=mode["clip"], error_if_nonfinite=False)
                 stepped.append(optimizer.step())
     return net, plugin, optimizer, stepped
 
@@ -251,7 +257,7 @@ def trainer_vs_own(rank: int, mode: dict, batches: int, epochs: int = 1) -> dict
     mdist.check_replicas(trainer.strategy.model, plugin.optimizer, buffers=False)
     mine = state(lit.net, plugin.optimizer)
     own_calls = []
-    net, opt, stepped = own_loop(mode, data, epochs=epochs, ddp=True, calls=own_calls)
+    net, opt, stepped = own_loop(mode, data, epochs=epochs, ddp="mpfp16", calls=own_calls)
     return {"same": same(mine, state(net, opt)), "stepped": lit.stepped, "own_stepped": stepped, "calls": calls,
             "own_calls": own_calls,
             "global_step": trainer.global_step, "skipped": plugin.skipped_steps}
@@ -264,20 +270,7 @@ def fabric_vs_own(rank: int, mode: dict, batches: int) -> dict:
     data = make_data(batches, rank, mode.get("inf_batches", ()))
     net, plugin, _, stepped = fit_fabric(mode, data, ddp=True)
     mine = state(net, plugin.optimizer)
-    ref = mpfp16.to_half(make_net(0), mode.get("dtype", torch.float16))
-    ddp = torch.nn.parallel.DistributedDataParallel(ref)
-    opt = mpfp16.FP16Optimizer(OPTIMIZERS[mode.get("optimizer", "sgd")](ref.parameters()),
-                               loss_scale=new_scaler(mode), **optimizer_kwargs(mode))
-    accum = mode.get("accum", 1)
-    own = []
-    for i, (x, y) in enumerate(data):
-        if i % accum == 0:
-            opt.zero_grad()
-        last = (i + 1) % accum == 0
-        with mdist.sync_gradients(ddp, last):
-            opt.backward(F.cross_entropy(ddp(x), y) / accum)
-        if last:
-            own.append(opt.step())
+    ref, opt, own = own_loop(mode, data, ddp="torch")
     return {"same": same(mine, state(ref, opt)), "stepped": stepped, "own_stepped": own}
 
 

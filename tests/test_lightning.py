@@ -5,6 +5,7 @@ and each refusal in one line. Two processes: tests/test_lightning_ddp.py."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,7 @@ MODES = {
     "fp16-accumulate-4-fp32-sums": {"accum": 4, "accumulate_dtype": torch.float32},
     "fp16-clip-norm-adamw-scheduler": {"optimizer": "adamw", "clip": 0.5, "scheduler": True},
     "fp16-clip-value": {"clip": 0.05, "clip_algorithm": "value"},
+    "fp16-clip-norm-adamw-skips": {"optimizer": "adamw", "clip": 0.5, "inf_batches": (4,)},
     "fp16-skips": {"init_scale": 2.0 ** 24, "inf_batches": (9,), "optimizer": "adamw"},
 }
 
@@ -53,7 +55,8 @@ def test_trainer_is_the_own_loop_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name", ["fp16-masters-sgd", "bf16-masters-adamw", "fp16-no-masters-kahan-adamw",
-                                  "fp16-accumulate-4-fp32-sums", "fp16-skips"])
+                                  "fp16-accumulate-4-fp32-sums", "fp16-skips",
+                                  "fp16-clip-norm-adamw-skips"])
 def test_fabric_is_the_own_loop_bit_for_bit(name):
     mode = MODES[name]
     data = W.make_data(16, inf_batches=mode.get("inf_batches", ()))
@@ -213,3 +216,30 @@ def test_fabric_refusals():
     with pytest.raises(RuntimeError) as exc:
         fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
     assert "2 optimizers" in _one_line(exc) and len(held) == 2
+
+
+def test_the_guides_fabric_example_runs(tmp_path, monkeypatch):
+    """docs/LIGHTNING.md's Fabric example, as written: it trains and saves."""
+    import re
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "LIGHTNING.md"), encoding="utf-8").read()
+    block = re.search(r"## Fabric\n\n```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(block, "docs/LIGHTNING.md", "exec"), scope)
+    assert scope["optimizer"].optimizer is scope["fabric"]._precision.optimizer
+    assert {"format", "scaler"} <= set(torch.load(tmp_path / "ckpt.pt", weights_only=True)["optimizer"])
+
+
+def test_16_true_adamw_goes_non_finite_in_silence_where_the_plugin_does_not():
+    """docs/LIGHTNING.md's claim: under Lightning's "16-true", AdamW's eps (1e-8) is 0 in
+    fp16, so a weight whose gradient and second moment are 0 is updated by 0/0; the
+    run ends with non-finite weights and no error. The plugin's run of the same model,
+    data and optimizer stays finite."""
+    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0
+    data = W.make_data(16)
+    true16, _, trainer = W.fit_trainer({"optimizer": "adamw"}, data, precision="16-true")
+    assert trainer.global_step == 16
+    assert not all(torch.isfinite(p).all() for p in true16.parameters())
+    mine, plugin, _ = W.fit_trainer({"optimizer": "adamw"}, data)
+    assert all(torch.isfinite(p).all() for p in mine.parameters()) and plugin.skipped_steps == 0

@@ -86,6 +86,25 @@ class _Options:
                 f"rounding={self.rounding!r}")
 
 
+class _Reports:
+    """What both plugins say about the run: the FP16Optimizer they made, its scale and
+    its skipped steps."""
+
+    optimizer: FP16Optimizer | None
+    _options: _Options
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._options.repr_args()})"
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.optimizer.loss_scale if self.optimizer is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps if self.optimizer is not None else 0
+
+
 def _scheduler_sees_step(opt: FP16Optimizer) -> None:
     """torch's lr schedulers wrap the inner optimizer's ``step`` (configure_optimizers
     built them over it) and warn when it was never called; the fused step does not call
@@ -94,7 +113,7 @@ def _scheduler_sees_step(opt: FP16Optimizer) -> None:
     opt.optimizer._opt_called = True
 
 
-class MPFP16Precision(Precision):
+class MPFP16Precision(_Reports, Precision):
     """A precision plugin for the Lightning ``Trainer``: fp16 (or bf16) weights and
     gradients, the ``configure_optimizers`` optimizer stepped over fp32 masters by
     :class:`mpfp16.FP16Optimizer`.
@@ -141,17 +160,6 @@ class MPFP16Precision(Precision):
         self.optimizer: FP16Optimizer | None = None  # made when fit() sets up
         self.last_step_skipped = False
         self._step_max_norm: float | None = None  # gradient clipping by norm asked for in this step
-
-    def __repr__(self) -> str:
-        return f"MPFP16Precision({self._options.repr_args()})"
-
-    @property
-    def loss_scale(self) -> float | None:
-        return self.optimizer.loss_scale if self.optimizer is not None else None
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.optimizer.skipped_steps if self.optimizer is not None else 0
 
     # -------------------------------------------------------------- set-up
 
@@ -238,7 +246,7 @@ def _refuse_trainer(trainer, module) -> None:
                          "step calls do not reach it as a whole")
 
 
-class MPFP16FabricPrecision(FabricPrecision):
+class MPFP16FabricPrecision(_Reports, FabricPrecision):
     """A precision plugin for Lightning ``Fabric``, with the options and the semantics
     of :class:`MPFP16Precision`.
 
@@ -281,17 +289,6 @@ class MPFP16FabricPrecision(FabricPrecision):
         self._modules: list[weakref.ref] = []
         self.last_step_skipped = False
 
-    def __repr__(self) -> str:
-        return f"MPFP16FabricPrecision({self._options.repr_args()})"
-
-    @property
-    def loss_scale(self) -> float | None:
-        return self.optimizer.loss_scale if self.optimizer is not None else None
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.optimizer.skipped_steps if self.optimizer is not None else 0
-
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if torch.cuda.is_available() and any(p.device.type == "cpu" for p in module.parameters()) and (
                 is_main_process()):
@@ -304,8 +301,8 @@ class MPFP16FabricPrecision(FabricPrecision):
         # fabric.setup(model, optimizer): the optimizer exists already. A checkpoint load
         # into it (fabric.load, before any backward) wraps it first, then loads.
         owner = self._owner()
-        for inner in _optimizers(lambda obj: isinstance(obj, torch.optim.Optimizer) and not isinstance(
-                obj, FP16Optimizer), owner):
+        for inner in _optimizers(lambda cls: issubclass(cls, torch.optim.Optimizer) and not issubclass(
+                cls, FP16Optimizer), owner):
             inner.register_load_state_dict_pre_hook(self._load_into_wrapper)
         return module
 
@@ -334,7 +331,7 @@ class MPFP16FabricPrecision(FabricPrecision):
         if not owner:
             raise RuntimeError("MPFP16FabricPrecision: fabric.backward() before fabric.setup(model, ...)")
         found = {}  # id(inner) -> (inner, [fabric optimizers])
-        for wrapper in _optimizers(lambda obj: issubclass(type(obj), _FabricOptimizer), owner,
+        for wrapper in _optimizers(lambda cls: issubclass(cls, _FabricOptimizer), owner,
                                    inner_of=lambda obj: obj.__dict__.get("_optimizer")):
             inner = wrapper.__dict__["_optimizer"]
             found.setdefault(id(inner), (inner, []))[1].append(wrapper)
@@ -382,12 +379,14 @@ class MPFP16FabricPrecision(FabricPrecision):
 
 
 def _optimizers(kind, owner: dict, inner_of=lambda obj: obj) -> list:
-    """The live objects of ``kind`` whose optimizer (``inner_of(obj)``) holds a
-    parameter of ``owner``: Fabric hands a precision plugin neither the optimizers nor
-    its wrappers of them, so they are found among the interpreter's objects."""
+    """The live objects whose type passes ``kind(type)`` and whose optimizer
+    (``inner_of(obj)``) holds a parameter of ``owner``: Fabric hands a precision plugin
+    neither the optimizers nor its wrappers of them, so they are found among the
+    interpreter's objects. Only ``type(obj)`` is read before the match: an attribute
+    read could run anything (a dead weak proxy raises)."""
     out = []
     for obj in gc.get_objects():
-        if not kind(obj):
+        if not kind(type(obj)):
             continue
         inner = inner_of(obj)
         if isinstance(inner, torch.optim.Optimizer) and any(
