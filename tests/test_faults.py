@@ -1,4 +1,4 @@
-"""Nothing lost: what each kind of failure does (README, "What survives what")."""
+"""Nothing lost: what each kind of failure does (docs/RESILIENCE.md)."""
 
 import argparse
 import os

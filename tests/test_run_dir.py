@@ -1,6 +1,5 @@
 """Never lose a run: protected run directories, resume that refuses changed meaning,
-early checks of where a run writes, and preemption that saves (README, "What survives
-what")."""
+early checks of where a run writes, and preemption that saves (docs/RESILIENCE.md)."""
 
 import contextlib
 import os
