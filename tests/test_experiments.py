@@ -1,5 +1,7 @@
 """The paper experiments run, write their sections and plots, and are deterministic."""
 
+import sys
+
 import pytest
 import torch
 
@@ -89,3 +91,71 @@ def test_bad_seeds_are_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["regularizer", "--seeds", "a,b"])
     assert exc.value.code == 2 and "--seeds" in capsys.readouterr().err
+
+
+def test_16_true_loses_an_update_fp16_cannot_add():
+    """Hand-made: torch's SGD stepping fp16 weights directly (what Lightning's "16-true"
+    does). Near 2048 fp16 values are 2 apart: +0.5 is lost, +1 is a tie that rounds back
+    to even 2048 (lost), +2 is kept; near 1024 they are 1 apart, so +1 is kept."""
+    weight = torch.tensor([2048.0, 2048.0, 2048.0, 1024.0, 5.0], dtype=torch.float16, requires_grad=True)
+    weight.grad = -torch.tensor([0.5, 1.0, 2.0, 1.0, 0.0], dtype=torch.float16)
+    opt = torch.optim.SGD([weight], lr=1.0)
+    old = weight.detach().clone()
+    fp32_new = lost_updates.sgd_step_fp32(weight, weight.grad, None, lr=1.0)
+    assert fp32_new.tolist() == [2048.5, 2049.0, 2050.0, 1025.0, 5.0]
+    opt.step()
+    assert weight.tolist() == [2048.0, 2048.0, 2050.0, 1025.0, 5.0]
+    assert lost_updates.lost_in_fp16_step(old, weight.detach(), fp32_new) == 2 / 4  # the 5th is no update
+
+
+@pytest.mark.parametrize("momentum,nesterov,weight_decay", [(0.9, True, 5e-4), (0.9, False, 0.0), (0.0, False, 1e-2)])
+def test_sgd_step_fp32_is_torchs_rule_bit_for_bit(momentum, nesterov, weight_decay):
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64, 9))
+    opt = torch.optim.SGD([param], lr=0.3, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    for _ in range(3):
+        param.grad = torch.randn_like(param)
+        expected = lost_updates.sgd_step_fp32(param, param.grad, opt.state[param].get("momentum_buffer"), 0.3,
+                                              momentum, weight_decay, nesterov)
+        opt.step()
+        assert torch.equal(param.detach(), expected)
+
+
+def test_flushed_fraction_counts_fp32_gradients_fp16_makes_zero():
+    grad32 = torch.tensor([1e-8, 1e-3, 0.0, 2e-8, 1e-7])  # fp16 flushes below 2^-25 (about 3e-8)
+    assert lost_updates.flushed_fraction(grad32.half(), grad32) == 2 / 4
+
+
+def test_the_16_true_run_sees_the_batches_train_feeds(setup):
+    model, opt = common.build("fp32", setup, 0)
+    seen = []
+    model.register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
+    common.train(model, opt, setup, 0)
+    fed = lost_updates.batches(setup, 0)
+    assert len(fed) == len(seen) - 1  # the last forward is the validation batch
+    assert all(torch.equal(x, s) for (x, _), s in zip(fed, seen))
+
+
+def test_lightning_16_true_loses_updates_and_the_section_says_so(tmp_path, setup):
+    pytest.importorskip("lightning")
+    doc = tmp_path / "doc.md"
+    result = lost_updates.run(setup, 0, str(tmp_path), str(doc))
+    true16 = result["sixteen_true"]
+    steps = true16["steps"]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) == len(result["steps"])
+    assert set(result["history"]) < set(true16["lost"])  # the weights, and the BatchNorm tensors too
+    for history in (true16["lost"], true16["flushed"]):
+        assert all(len(v) == len(steps) and all(0 <= x <= 1 for x in v) for v in history.values())
+    assert sum(sum(v) for v in true16["lost"].values()) > 0  # fp16 alone loses updates
+    assert 0 <= true16["accuracy"] <= 100
+    text = doc.read_text()
+    assert 'precision="16-true"' in text and f"]({lost_updates.SIXTEEN_TRUE_PNG})" in text
+    assert (tmp_path / lost_updates.SIXTEEN_TRUE_PNG).stat().st_size > 1000
+
+
+def test_without_lightning_the_experiment_runs_and_says_so(tmp_path, setup, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lightning", None)  # import lightning now fails
+    result = lost_updates.run(setup, 0, str(tmp_path), str(tmp_path / "doc.md"))
+    assert "sixteen_true" not in result and result["overall_lost"] > 0
+    assert "Lightning is not installed" in (tmp_path / "doc.md").read_text()
+    assert capsys.readouterr().out.count("Lightning is not installed") == 1
