@@ -29,7 +29,10 @@ def test_step_benchmark_runs(tmp_path, capsys):
     memory = result["memory_bytes_per_param"]
     assert memory["fp16, no masters (fused)"]["total"] < memory["fp16 + fp32 masters (fused)"]["total"] \
         < memory["fp16 + fp32 masters (unfused)"]["total"]
-    assert "vs a" in printed and "bytes per parameter" in printed and "memory bandwidth" in printed
+    assert set(result["results"][0]["bandwidth_gb_per_s"]) == {"copy", "triad", *bench.roofline.SHAPES,
+                                                                 "torch fused AdamW (7 streams, 28 B)"}
+    assert "vs a" in printed and "bytes per parameter" in printed and "the roofline" in printed
+    assert printed.count("<- the limit") == 2  # one per thread count
 
 
 @pytest.mark.slow  # compiles the fused step

@@ -39,12 +39,14 @@ With ``--remainder``, bf16 side by side (docs/REMAINDER.md), both fused:
   k. bf16 weights with ``master_weights="remainder"``: the fp32 masters held as the
      weights and an int16 remainder each, rebuilt and split again inside the kernel.
 
-**The limit.** Before the methods, for each thread count, the run measures memory
-bandwidth with torch ops over fp32 buffers far larger than any cache: a copy
-(``a.copy_(b)``, 8 bytes per element) and a triad (``a = b + s * c``, 12 bytes per
-element), best of several. The higher is the limit. Each method's row then gives the
-bytes per parameter it moves (``TRAFFIC``: every pass it makes, reads plus writes, as
-counted below), the GB/s that makes at its median time, and the fraction of the limit.
+**The limit.** Before the methods, for each thread count, the run measures the roofline
+of :mod:`mpfp16.bench.roofline` over buffers of the model's parameter count: a copy and
+a triad, one compiled pass with each fused kernel's own streams (the same dtypes read
+and written, one add per element), and torch's fused fp32 AdamW (7 streams, achievable
+by definition); the best GB/s is the limit. Each method's row then gives the bytes per
+parameter it moves (``TRAFFIC``: every pass it makes, reads plus writes, as counted
+below), the GB/s that makes at its median time, and the fraction of the limit: at most
+1, up to noise, for a method that moves what ``TRAFFIC`` says.
 
 It also reports the optimizer-side memory in bytes per parameter of each mpfp16 mode.
 """
@@ -63,6 +65,7 @@ import torch.nn as nn
 from ..convert import NORM_TYPES
 from ..optimizer import OVERFLOW_REPORTED, FP16Optimizer
 from ..scaler import LossScaler
+from . import roofline
 from .timing import Timer, time_call
 
 LOSS_SCALE = 1024.0
@@ -303,15 +306,10 @@ def compare(methods: dict, rounds: int, warmup: int, device: torch.device) -> di
 
 def memory_bandwidth(device: torch.device, numel: int, rounds: int = 5) -> dict[str, float]:
     """GB/s of a copy and a triad over fp32 buffers of ``numel`` elements, best of
-    ``rounds`` (the first touch of the buffers is not timed)."""
-    a = torch.zeros(numel, device=device)
-    b = torch.rand(numel, device=device)
-    c = torch.rand(numel, device=device)
-    best = {"copy": float("inf"), "triad": float("inf")}
-    for _ in range(rounds + 1):
-        best["copy"] = min(best["copy"], time_call(lambda: a.copy_(b), device))
-        best["triad"] = min(best["triad"], time_call(lambda: torch.add(b, c, alpha=3.0, out=a), device))
-    return {"copy": 8 * numel / best["copy"] / 1e9, "triad": 12 * numel / best["triad"] / 1e9}
+    ``rounds`` (the first touch of the buffers is not timed): two or three streams,
+    the limit of mpfp16.bench.accumulation's passes. The step's own limit is
+    :func:`mpfp16.bench.roofline.measure`."""
+    return roofline.measure(device, numel, rounds, shapes={}, torch_adamw=False)
 
 
 def _thread_counts(text: str) -> list[int]:
@@ -333,8 +331,8 @@ def main(argv=None) -> int:
                              "machine has 2 cores or more; on CUDA: the current count)")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds (default: 15)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: 3)")
-    parser.add_argument("--bandwidth-numel", type=int, default=1 << 26,
-                        help="elements per fp32 buffer of the bandwidth measurement (default: 2^26, 256 MB)")
+    parser.add_argument("--bandwidth-numel", type=int, default=None,
+                        help="elements per buffer of the roofline kernels (default: the model's parameter count)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON (default: none)")
     parser.add_argument("--skipped", action="store_true",
@@ -345,7 +343,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         parser.error("--rounds must be >= 1 and --warmup >= 0")
-    if args.bandwidth_numel < 1:
+    if args.bandwidth_numel is not None and args.bandwidth_numel < 1:
         parser.error("--bandwidth-numel must be >= 1")
     from ..train.models import imagenet_arch_names
 
@@ -395,14 +393,15 @@ def main(argv=None) -> int:
     try:
         for n in threads:
             torch.set_num_threads(n)
-            bandwidth = memory_bandwidth(device, args.bandwidth_numel)
+            bandwidth = roofline.measure(device, args.bandwidth_numel or numel)
             limit = max(bandwidth.values())
             times = compare(methods, args.rounds, args.warmup, device)
             ref = statistics.median(times[a_name])
             rows = []
-            print(f"\n## {n} thread{'s' if n > 1 else ''}: memory bandwidth {bandwidth['copy']:.1f} GB/s copy, "
-                  f"{bandwidth['triad']:.1f} GB/s triad (fp32 buffers of {args.bandwidth_numel:,} elements); "
-                  f"limit {limit:.1f} GB/s")
+            print(f"\n## {n} thread{'s' if n > 1 else ''}: the roofline (one pass per kernel, buffers of "
+                  f"{args.bandwidth_numel or numel:,} elements, GB/s):")
+            for name, gbps in bandwidth.items():
+                print(f"  {name:<40}{gbps:>8.1f}{'  <- the limit' if gbps == limit else ''}")
             print(f"{'method':<34}{'ms':>9}{'vs a':>8}{'B/param':>9}{'GB/s':>8}{'of limit':>10}")
             for name, ts in times.items():
                 t = statistics.median(ts)
