@@ -29,6 +29,7 @@ and 6 in one pass, and reads the 16-bit gradients directly in 2).
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 
 import torch
@@ -717,6 +718,10 @@ class FP16Optimizer(torch.optim.Optimizer):
         from .stores.kernels import COMPILE_ERRORS
 
         error = None
+        started = time.perf_counter()
+        if is_main_process():  # the first step waits for this: say why, once per kernel set
+            logger.info("fused step: compiling its kernels%s (inductor keeps them on disk, so a later run starts "
+                        "sooner)", " for unscale_()'s fp32 gradients" if fp32_grads else "")
         try:
             self.store.prepare(fp32_grads=fp32_grads)
         except COMPILE_ERRORS as exc:
@@ -724,6 +729,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         found = failures(error, group=self.process_group) if self.reduce_overflow else (
             {0: error} if error is not None else {})
         if not found:
+            if is_main_process():
+                logger.info("fused step: kernels ready in %.1f s", time.perf_counter() - started)
             self._prepared.add(fp32_grads)
             if fp32_grads:
                 self._prepared.add(False)  # prepare(fp32_grads=True) compiles the 16-bit variants too

@@ -244,6 +244,27 @@ def test_no_fp32_gradient_buffer_with_the_fused_step():
                                             "master_remainder": 0.0, "total": 12.0}
 
 
+def test_the_compile_is_said_once_with_its_time(caplog):
+    """The first step waits for the kernels to compile: one line says so before, one
+    after with the time; later steps say nothing; unscale_()'s fp32 variants, compiled
+    at its first call, get their own pair."""
+    model = mpfp16.to_half(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 16)))
+    opt = mpfp16.FP16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), loss_scale=8.0, fused=True)
+    with caplog.at_level(logging.INFO, logger="mpfp16"):
+        for unscale in (False, False, True, True):
+            opt.zero_grad()
+            opt.backward(model(torch.randn(4, 32)).float().mean())
+            if unscale:
+                opt.unscale_()
+            assert opt.step()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fused step")]
+    assert said[0] == ("fused step: compiling its kernels (inductor keeps them on disk, so a later run starts "
+                       "sooner)")
+    assert said[1].startswith("fused step: kernels ready in ") and said[1].endswith(" s")
+    assert said[2].startswith("fused step: compiling its kernels for unscale_()'s fp32 gradients")
+    assert said[3].startswith("fused step: kernels ready in ") and len(said) == 4
+
+
 def _break_compiler(monkeypatch, error):
     def broken(fn, **static):
         raise error
