@@ -358,7 +358,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         if use_fused:
             self.store.use_fused()
         self._fused_requested = fused is True
-        self._prepared: set[bool] = set()  # the fp32_grads values the store's kernels were prepared for
+        self._prepared: set[tuple[bool, bool]] = set()  # (fp32_grads, with_norm) the kernels are compiled for
 
         # torch.optim.Optimizer's own set-up (hooks, the step patch schedulers rely on),
         # over the inner optimizer's groups; then share its param_groups and state, so
@@ -706,14 +706,17 @@ class FP16Optimizer(torch.optim.Optimizer):
         """Before the first step that needs them: let the store compile its kernels
         (those that read the 16-bit gradients, or with ``fp32_grads`` also those that
         read the fp32 gradients ``unscale_()`` makes, whenever ``unscale_()`` is first
-        called), and make every rank take the same path.
+        called; the overflow check's variants that also sum the squares for the norm
+        when a step first clips or tracks the norm), and make every rank take the same
+        path.
 
         A compile can fail on one rank only (a node without a working compiler, a full
         disk), so the outcome is gathered across the process group, before anything
         is written. If any rank failed, ``fused=True`` raises on every rank, naming
         the ranks and the reason; the default (``fused=None``) moves every rank to the
         unfused step, with one warning. Errors other than compile errors are not caught."""
-        if not self.store.fused or fp32_grads in self._prepared:
+        with_norm = self._wants_norm  # the norm's variants compile when a step first needs them
+        if not self.store.fused or (fp32_grads, with_norm) in self._prepared or (fp32_grads, True) in self._prepared:
             return
         from .stores.kernels import COMPILE_ERRORS
 
@@ -723,7 +726,7 @@ class FP16Optimizer(torch.optim.Optimizer):
             logger.info("fused step: compiling its kernels%s (inductor keeps them on disk, so a later run starts "
                         "sooner)", " for unscale_()'s fp32 gradients" if fp32_grads else "")
         try:
-            self.store.prepare(fp32_grads=fp32_grads)
+            self.store.prepare(fp32_grads=fp32_grads, with_norm=with_norm)
         except COMPILE_ERRORS as exc:
             error = f"{type(exc).__name__}: {one_line(exc)}"
         found = failures(error, group=self.process_group) if self.reduce_overflow else (
@@ -731,9 +734,9 @@ class FP16Optimizer(torch.optim.Optimizer):
         if not found:
             if is_main_process():
                 logger.info("fused step: kernels ready in %.1f s", time.perf_counter() - started)
-            self._prepared.add(fp32_grads)
+            self._prepared.add((fp32_grads, with_norm))
             if fp32_grads:
-                self._prepared.add(False)  # prepare(fp32_grads=True) compiles the 16-bit variants too
+                self._prepared.add((False, with_norm))  # prepare(fp32_grads=True) compiles the 16-bit variants too
             return
         where = ", ".join(f"rank {rank}" for rank in found)
         reason = next(iter(found.values()))

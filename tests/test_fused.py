@@ -265,6 +265,24 @@ def test_the_compile_is_said_once_with_its_time(caplog):
     assert said[3].startswith("fused step: kernels ready in ") and len(said) == 4
 
 
+def test_the_norms_kernels_are_prepared_when_a_step_first_clips(caplog):
+    """The overflow check that also sums the squares compiles only when a step needs the
+    norm: not for a step that does not clip, and before the first step that does (as
+    the Lightning plugin asks, per step), agreed across ranks like every compile."""
+    model = mpfp16.to_half(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 16)))
+    opt = mpfp16.FP16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), loss_scale=8.0, fused=True)
+    with caplog.at_level(logging.INFO, logger="mpfp16"):
+        for clip in (None, None, 1e-3, 1e-3):
+            opt.max_grad_norm = clip
+            opt.zero_grad()
+            opt.backward(model(torch.randn(4, 32)).float().mean())
+            assert opt.step()
+            assert (opt.last_grad_norm is not None) == (clip is not None)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fused step: compiling")]
+    assert len(said) == 2  # the first step's kernels, then the norm's at the first clipped step
+    assert 0 < opt.last_grad_norm < float("inf")
+
+
 def _break_compiler(monkeypatch, error):
     def broken(fn, **static):
         raise error

@@ -177,8 +177,9 @@ class ParamStore:
         return ("step() was called but no backward pass reached the parameters since the last step(): call "
                 "opt.backward(loss) first")
 
-    def prepare(self, fp32_grads: bool) -> None:
-        """Make ready what the step needs before it writes anything (compile)."""
+    def prepare(self, fp32_grads: bool, with_norm: bool = False) -> None:
+        """Make ready what the step needs before it writes anything (compile); with
+        ``with_norm``, what a step that computes the gradient norm needs too."""
 
     def use_unfused(self) -> None:
         """After a failed compile: take the unfused step from now on."""

@@ -481,9 +481,9 @@ class FlatStore(ParamStore, SumOwner):
     def use_unfused(self) -> None:
         self._fused = None
 
-    def prepare(self, fp32_grads: bool) -> None:
+    def prepare(self, fp32_grads: bool, with_norm: bool = False) -> None:
         if self._fused is not None:
-            self._fused.prepare(fp32_grads=fp32_grads)
+            self._fused.prepare(fp32_grads=fp32_grads, with_norm=with_norm)
 
     def invalidate(self) -> None:
         if self._fused is not None:

@@ -278,12 +278,14 @@ class FusedStep:
                     decoupled=bool(hyper.get("decoupled_weight_decay", False)), maximize=bool(hyper["maximize"]),
                     lerp_low=abs(1 - hyper["betas"][0]) < 0.5, rounding=rounding)
 
-    def prepare(self, fp32_grads: bool = False) -> None:
-        """Compile every kernel variant this optimizer will need, on scratch tensors,
-        so that a compile failure shows before any real buffer is written; with
+    def prepare(self, fp32_grads: bool = False, with_norm: bool = False) -> None:
+        """Compile every kernel variant the next step needs, on scratch tensors, so
+        that a compile failure shows before any real buffer is written: with
         ``fp32_grads``, also the variants that read the fp32 gradients ``unscale_()``
-        makes (otherwise they compile at their first use). The scratch sizes do not
-        matter: ``kernels.compiled`` compiles every kernel on examples of one size."""
+        makes; with ``with_norm``, also the overflow check that sums the squares for
+        the norm (FP16Optimizer prepares again when a later step first needs either).
+        The scratch sizes do not matter: ``kernels.compiled`` compiles every kernel on
+        examples of one size."""
         from .kernels import adam_apply, adam_moments, adam_update, compiled, grad_stats, scalar, sgd_update
 
         numel = 64
@@ -295,9 +297,9 @@ class FusedStep:
             # fp32 gradients unscale_() makes.
             grad_dtypes = (dtype,) if not g.half else (torch.float32,) if g.accumulating else (
                 (dtype, torch.float32) if fp32_grads else (dtype,))
-            for with_norm in (False, True):
+            for norm in (False, True) if with_norm else (False,):
                 for grad_dtype in grad_dtypes:
-                    compiled(grad_stats, with_norm=with_norm)(torch.zeros(numel, dtype=grad_dtype, device=dev), one)
+                    compiled(grad_stats, with_norm=norm)(torch.zeros(numel, dtype=grad_dtype, device=dev), one)
             for segment in g.segments:
                 hyper = self.optimizer.param_groups[segment.group_index]
                 rounding = self._rounding(g)
