@@ -243,3 +243,23 @@ def test_16_true_adamw_goes_non_finite_in_silence_where_the_plugin_does_not():
     assert not all(torch.isfinite(p).all() for p in true16.parameters())
     mine, plugin, _ = W.fit_trainer({"optimizer": "adamw"}, data)
     assert all(torch.isfinite(p).all() for p in mine.parameters()) and plugin.skipped_steps == 0
+
+
+def test_validate_and_test_run_with_the_plugin():
+    """Evaluation needs no optimizer: trainer.validate and trainer.test convert the model
+    and run, before any fit and after one."""
+
+    def val_and_test(lit):
+        lit.validation_step = lambda batch, batch_idx: lit.log("val_loss", lit.training_step(batch, batch_idx))
+        lit.test_step = lambda batch, batch_idx: lit.log("test_loss", lit.training_step(batch, batch_idx))
+        return lit
+
+    data = W.loader(W.make_data(4))
+    fresh = val_and_test(W.lit_module(W.make_net(0), {}))
+    trainer = L.Trainer(**dict(W.QUIET, devices=1, enable_checkpointing=False), plugins=[MPFP16Precision()])
+    assert "val_loss" in trainer.validate(fresh, data)[0] and "test_loss" in trainer.test(fresh, data)[0]
+    assert next(fresh.net.parameters()).dtype == torch.float16
+    fitted, plugin, trainer = W.fit_trainer({}, W.make_data(4))
+    val_and_test(fitted)
+    assert "val_loss" in trainer.validate(fitted, data)[0]
+    assert plugin.optimizer is not None

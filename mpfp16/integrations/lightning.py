@@ -38,6 +38,7 @@ try:
     from lightning.fabric.plugins.precision import Precision as FabricPrecision
     from lightning.fabric.wrappers import _FabricOptimizer
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.core.optimizer import _MockOptimizer
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy,
                                               SingleDeviceXLAStrategy, XLAStrategy)
@@ -171,6 +172,10 @@ class MPFP16Precision(_Reports, Precision):
         return to_half(module, self._options.dtype)
 
     def connect(self, model, optimizers: list, lr_schedulers: list):
+        if not optimizers or optimizers == [self.optimizer]:  # evaluation; or after this plugin's own fit
+            return model, optimizers, lr_schedulers
+        if len(optimizers) == 1 and isinstance(optimizers[0], _MockOptimizer):
+            raise ValueError("configure_optimizers returned no optimizer; MPFP16Precision steps the one it returns")
         if len(optimizers) != 1:
             raise ValueError(f"MPFP16Precision steps one optimizer; configure_optimizers returned {len(optimizers)}")
         module = model.module if isinstance(model, DistributedDataParallel) else model
@@ -240,7 +245,7 @@ def _refuse_trainer(trainer, module) -> None:
     if getattr(strategy, "_ddp_comm_hook", None) is not None:  # DDPStrategy(ddp_comm_hook=...)
         raise ValueError("MPFP16Precision averages the gradients with mpfp16's own DDP hook; a ddp_comm_hook given "
                          "to DDPStrategy cannot run beside it: leave it unset (allreduce_dtype= sets the wire)")
-    if not module.automatic_optimization:
+    if not module.automatic_optimization and trainer.training:
         raise ValueError("MPFP16Precision needs automatic optimization: with automatic_optimization = False, "
                          "self.optimizers() wraps the FP16Optimizer in a LightningOptimizer, whose zero_grad and "
                          "step calls do not reach it as a whole")
