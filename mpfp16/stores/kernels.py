@@ -221,8 +221,9 @@ def _compile_examples(args) -> list:
 
 # The CPU's vector instructions as cpuid names them, without inductor's check of each:
 # that check builds a test program with torch's headers for every candidate ISA
-# (AVX-512 VNNI, AVX-512, AVX2 here) before the first kernel, 11.6 s of a cold
-# start of 25 s measured here. The pick is the same ISA; a compiler that cannot build
+# (AVX-512 VNNI, AVX-512, AVX2 here) before the first kernel: 11.6 s alone here, in a
+# cold first step of 18.1-18.5 s (python -m mpfp16.bench.coldstart; 7.6-8.0 s without
+# it and the unused norm variants). The pick is the same ISA; a compiler that cannot build
 # it fails the kernel's compile, which the fused step's agreement handles (the unfused
 # step with one warning, or an error with fused=True). CUDA kernels are unaffected.
 VEC_ISA_FROM_CPUID = {"cpp.vec_isa_ok": True}
