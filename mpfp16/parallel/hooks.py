@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from .. import inductor
 from ..errors import compile_errors, one_line
 from . import accumulation
 from .powersgd import PowerSGDMemory
@@ -251,7 +252,8 @@ def _reduce(state: HookState, mine: torch.Tensor, others: torch.Tensor, world: i
     each shard is reduced by one rank only, so the replicas agree either way."""
     if mine.numel() >= _COMPILE_MIN_NUMEL and state.compile_reduce:
         try:
-            _compiled_reduce_shard()(mine, others, world)
+            with inductor.settings():  # as the fused step's kernels compile (mpfp16/inductor.py)
+                _compiled_reduce_shard()(mine, others, world)
             return
         except compile_errors() as exc:  # a missing compiler, an unsupported device
             logger.warning("torch.compile of the fp32-accumulate reduction failed (%s); using eager ops",

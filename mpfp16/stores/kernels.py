@@ -35,6 +35,7 @@ import torch._dynamo
 import torch._inductor.config
 from torch._inductor import inductor_prims
 
+from .. import inductor
 from ..errors import compile_errors
 from ..rounding import read_weights, write_weights
 
@@ -219,14 +220,6 @@ def _compile_examples(args) -> list:
             for a in args]
 
 
-# The CPU's vector instructions as cpuid names them, without inductor's check of each:
-# that check builds a test program with torch's headers for every candidate ISA
-# (AVX-512 VNNI, AVX-512, AVX2 here) before the first kernel: 11.6 s alone here, in a
-# cold first step of 18.1-18.5 s (python -m mpfp16.bench.coldstart; 7.6-8.0 s without
-# it and the unused norm variants). The pick is the same ISA; a compiler that cannot build
-# it fails the kernel's compile, which the fused step's agreement handles (the unfused
-# step with one warning, or an error with fused=True). CUDA kernels are unaffected.
-VEC_ISA_FROM_CPUID = {"cpp.vec_isa_ok": True}
 
 
 def compiled(fn, **static):
@@ -258,7 +251,7 @@ def compiled(fn, **static):
         if first:
             _COMPILED[key] = _compile_variant(fn, flags, len(_COMPILED))
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
-                torch._inductor.config.patch(emulate_precision_casts=True, **VEC_ISA_FROM_CPUID):
+                inductor.settings(emulate_precision_casts=True):
             if first:
                 _COMPILED[key](*_compile_examples(args), **static)
             return _COMPILED[key](*args, **static)
