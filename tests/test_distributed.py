@@ -194,6 +194,29 @@ def test_single_process_without_torchrun(monkeypatch):
     assert layer.weight.grad.item() == 2.0
 
 
+def test_the_log_writes_to_the_streams_of_the_moment_not_those_of_init(monkeypatch, capsys):
+    """init() under a redirect (a notebook cell, pytest's capture), the redirect
+    closed, then a record: it goes to the stdout and stderr of now, not to the closed
+    stream ("--- Logging error --- I/O operation on closed file", seen in CI)."""
+    import contextlib
+    import io
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    log = logging.getLogger("mpfp16")
+    monkeypatch.setattr(log, "handlers", list(log.handlers))
+    monkeypatch.setattr(log, "level", log.level)
+    monkeypatch.setattr(log, "propagate", log.propagate)
+    old_out, old_err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(old_out), contextlib.redirect_stderr(old_err):
+        mdist.init(device="cpu", log_level=logging.INFO)
+    old_out.close()
+    old_err.close()
+    log.info("progress")
+    log.warning("trouble")
+    out, err = capsys.readouterr()
+    assert out == "progress\n" and err == "WARNING: trouble\n"
+
+
 @pytest.mark.parametrize("kw,match", [
     ({"backend": "mpi"}, "unknown distributed backend"),
     ({"timeout_s": 0}, "timeout must be positive"),

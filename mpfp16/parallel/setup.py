@@ -157,6 +157,26 @@ class _BelowWarning(logging.Filter):
         return record.levelno < logging.WARNING
 
 
+class _CurrentStream(logging.StreamHandler):
+    """A handler on ``sys.stdout`` or ``sys.stderr`` as it is when a record is
+    emitted, not as it was when the handler was made: a stream bound at set-up goes
+    stale once the program replaces it (``contextlib.redirect_stdout``, pytest's
+    capture, a notebook cell), and every later record then fails with "I/O operation
+    on closed file"."""
+
+    def __init__(self, name: str):
+        self._sys_name = name
+        super().__init__()
+
+    @property
+    def stream(self):
+        return getattr(sys, self._sys_name)
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns one; the name decides
+        pass
+
+
 def _configure_logging(rank: int, level: int) -> None:
     """Handlers on the ``mpfp16`` logger: progress to stdout, warnings and errors to
     stderr. Rank 0 logs at ``level``, other ranks at WARNING; each line of a rank
@@ -166,9 +186,9 @@ def _configure_logging(rank: int, level: int) -> None:
         if getattr(handler, "_mpfp16", False):
             log.removeHandler(handler)
     tag = f"[rank {rank}] " if rank else ""
-    for stream, fmt, only_below_warning in ((sys.stdout, f"{tag}%(message)s", True),
-                                            (sys.stderr, f"{tag}%(levelname)s: %(message)s", False)):
-        handler = logging.StreamHandler(stream)
+    for stream, fmt, only_below_warning in (("stdout", f"{tag}%(message)s", True),
+                                            ("stderr", f"{tag}%(levelname)s: %(message)s", False)):
+        handler = _CurrentStream(stream)
         handler._mpfp16 = True
         if only_below_warning:
             handler.addFilter(_BelowWarning())
