@@ -8,6 +8,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["mpfp16", "mpfp16.*"]),
+    package_data={"mpfp16.stores": ["native.cpp"]},  # the C++ kernels, built at first use
     python_requires=">=3.11",  # the fused kernels name their code objects with co_qualname
     # torch is not pinned: install the build you want first (README); pip then keeps it.
     install_requires=["torch>=2.6", "torchvision>=0.21", "numpy", "tqdm"],

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
 from .convert import HALF_DTYPES
-from .errors import FusedStepUnavailable, library_words, one_line
+from .errors import FusedStepUnavailable, compile_errors, library_words, one_line
 from .parallel.base import (all_gather_object, any_rank, failures, get_rank, get_world_size, group_ranks,
                             is_main_process)
 from .rounding import ROUNDINGS
@@ -718,16 +718,14 @@ class FP16Optimizer(torch.optim.Optimizer):
         with_norm = self._wants_norm  # the norm's variants compile when a step first needs them
         if not self.store.fused or (fp32_grads, with_norm) in self._prepared or (fp32_grads, True) in self._prepared:
             return
-        from .stores.kernels import COMPILE_ERRORS
-
         error = None
         started = time.perf_counter()
         if is_main_process():  # the first step waits for this: say why, once per kernel set
-            logger.info("fused step: compiling its kernels%s (inductor keeps them on disk, so a later run starts "
-                        "sooner)", " for unscale_()'s fp32 gradients" if fp32_grads else "")
+            logger.info("fused step: compiling its kernels%s (they are kept on disk, so a later run starts sooner)",
+                        " for unscale_()'s fp32 gradients" if fp32_grads else "")
         try:
             self.store.prepare(fp32_grads=fp32_grads, with_norm=with_norm)
-        except COMPILE_ERRORS as exc:
+        except compile_errors() as exc:  # evaluated only when prepare() raised
             error = f"{type(exc).__name__}: {one_line(exc)}"
         found = failures(error, group=self.process_group) if self.reduce_overflow else (
             {0: error} if error is not None else {})

@@ -179,7 +179,7 @@ def order_configs():
             if master or dtype != "float32"]
 
 
-def build_in_order(rank, wrapper, order, dtype, master_weights, seed=None, lr=0.05):
+def build_in_order(rank, wrapper, order, dtype, master_weights, seed=None, lr=0.05, inner="sgd"):
     """A model and optimizer built the way users write it. ``order``: "ddp_first"
     (apex's: convert, wrap, then the optimizer over ddp.parameters()) or "opt_first".
     Each rank starts from its own random weights (seed = rank): DDP's broadcast from
@@ -198,8 +198,9 @@ def build_in_order(rank, wrapper, order, dtype, master_weights, seed=None, lr=0.
         return DDP(model, gradient_as_bucket_view=wrapper == "ddp-bucket-view")
 
     def optimizer(params):
-        return mpfp16.FP16Optimizer(torch.optim.SGD(params, lr=lr, momentum=0.9),
-                                    loss_scale=ORDER_DTYPES[dtype], master_weights=master_weights)
+        opt = (torch.optim.SGD(params, lr=lr, momentum=0.9) if inner == "sgd" else
+               torch.optim.AdamW(params, lr=lr / 10))
+        return mpfp16.FP16Optimizer(opt, loss_scale=ORDER_DTYPES[dtype], master_weights=master_weights)
 
     if order == "ddp_first":
         ddp = wrap()
@@ -274,20 +275,28 @@ def moved_after_ddp(rank, case):
     return out
 
 
-def compile_fails_on_one_rank(rank, fused):
+def compile_fails_on_one_rank(rank, fused, kernels="inductor"):
     """Rank 1 has no working C++ compiler; rank 0 compiles (skipped here: its warm-up
-    succeeds at once). Auto-fused small model, or fused=True."""
+    succeeds at once). Auto-fused small model, or fused=True. ``kernels``: inductor's
+    (SGD), or the native C++ ones (AdamW), built by rank 1 into an empty cache with a
+    compiler that is not there."""
     import logging
+    import tempfile
 
     import torch._inductor.exc
 
     from mpfp16 import optimizer as O
     from mpfp16.stores import fused as FB
     from mpfp16.stores import kernels as F
+    from mpfp16.stores import native
 
     mdist.init(timeout_s=60)
     O.FUSED_MIN_NUMEL = 0
-    if rank == 1:
+    if rank == 1 and kernels == "native":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()
+        os.environ["CXX"] = "no-such-c++"
+        native._LIBRARY = None
+    elif rank == 1:
         def broken(fn, **static):
             raise torch._inductor.exc.InvalidCxxCompiler("/bin/false")
         F.compiled = broken
@@ -297,7 +306,8 @@ def compile_fails_on_one_rank(rank, fused):
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
     logging.getLogger("mpfp16").addHandler(handler)
-    model, ddp, opt = build_in_order(rank, "wrap", "ddp_first", "float16", True)
+    model, ddp, opt = build_in_order(rank, "wrap", "ddp_first", "float16", True,
+                                     inner="adamw" if kernels == "native" else "sgd")
     opt._fused_requested = fused  # as if built with fused=True
     try:
         train_steps(rank, model, ddp, opt, 2, 1)

@@ -115,3 +115,24 @@ def assert_same_params(a: nn.Module, b: nn.Module):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert p.dtype == q.dtype, name
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def adam_by_hand(param, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, decoupled, sqrt):
+    """torch's single-tensor Adam, op for op, with the square root given."""
+    beta1, beta2 = betas
+    if weight_decay:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    denom = (sqrt(exp_avg_sq) / (1 - beta2**step) ** 0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def exact_sqrt(t: torch.Tensor) -> torch.Tensor:
+    """A correctly rounded fp32 square root (through fp64): mpfp16's kernels' sqrt,
+    which torch's CPU sqrt kernel is not."""
+    return t.double().sqrt().float()

@@ -318,22 +318,23 @@ def test_parameters_that_ddp_holds_are_never_moved(group, case):
 
 @slow
 @pytest.mark.parametrize("fused", [None, True], ids=["auto", "fused-true"])
-def test_a_compile_failure_on_one_rank_sends_every_rank_the_same_way(tmp_path, fused):
+@pytest.mark.parametrize("kernels", ["inductor", "native"])
+def test_a_compile_failure_on_one_rank_sends_every_rank_the_same_way(tmp_path, fused, kernels):
     # a launch of its own: the case breaks the compiler of rank 1's process for good
-    r0, r1 = run_workers(W.compile_fails_on_one_rank, tmp_path, args=(fused,))
+    r0, r1 = run_workers(W.compile_fails_on_one_rank, tmp_path, args=(fused, kernels))
+    reason = ("InvalidCxxCompiler: Compiler: /bin/false is not found." if kernels == "inductor" else
+              "FileNotFoundError: no C++ compiler: 'no-such-c++' is not on PATH (set CXX)")
     if fused:
         assert r0["error"] == r1["error"] == (
-            "fused=True cannot be honoured: compiling the fused step failed on rank 1 (InvalidCxxCompiler: "
-            "Compiler: /bin/false is not found.)")
+            f"fused=True cannot be honoured: compiling the fused step failed on rank 1 ({reason})")
         return
     assert r0["error"] is r1["error"] is None
     assert not r0["fused"] and not r1["fused"]
     assert torch.equal(r0["params"], r1["params"])
     said = [m for m in r0["messages"] if "fused" in m]
     assert said == [  # rank 0 says it compiles (INFO), then the one warning; no "ready" line
-        "fused step: compiling its kernels (inductor keeps them on disk, so a later run starts sooner)",
-        "fused optimizer step unavailable: compiling failed on rank 1 (InvalidCxxCompiler: Compiler: /bin/false "
-        "is not found.); every rank uses the unfused step"]
+        "fused step: compiling its kernels (they are kept on disk, so a later run starts sooner)",
+        f"fused optimizer step unavailable: compiling failed on rank 1 ({reason}); every rank uses the unfused step"]
     assert not [m for m in r1["messages"] if "fused" in m]
 
 

@@ -8,8 +8,9 @@ run left (warm).
 Each run is a new interpreter (this module with ``--child``) over the shapes of
 ``mpfp16.bench.step`` (fp16 weights, fp32 masters, norm layers fp32), with
 ``TORCHINDUCTOR_CACHE_DIR`` set to a new empty folder. It times the first step, which
-compiles the kernels; the second step; and each kernel's first call (its compile), by
-name and flags. After the cold runs, one more run reuses the last run's cache (warm).
+compiles the kernels; the second step; each inductor kernel's first call (its
+compile), by name and flags; and the build of the C++ kernels (mpfp16/stores/native.py,
+kept in the same cache folder), which the CPU's Adam and AdamW use. After the cold runs, one more run reuses the last run's cache (warm).
 The folders are removed at the end.
 """
 
@@ -31,10 +32,9 @@ import torch
 def first_steps(model: str, optimizer: str, threads: int) -> dict:
     """In this process: the first and second fused step over ``model``'s shapes, and
     each kernel compiled during the first, with its time."""
-    from ..stores import kernels
+    from ..stores import kernels, native
     from .step import _Mpfp16, model_params
 
-    torch.set_num_threads(threads)
     compiles = []
     original = kernels.compiled
 
@@ -52,7 +52,9 @@ def first_steps(model: str, optimizer: str, threads: int) -> dict:
 
         return call
 
+    before = torch.get_num_threads()
     kernels.compiled = timed
+    torch.set_num_threads(threads)
     try:
         opt = _Mpfp16(optimizer, model_params(model, torch.device("cpu")), fused=True)
         seconds = []
@@ -63,6 +65,9 @@ def first_steps(model: str, optimizer: str, threads: int) -> dict:
             seconds.append(time.perf_counter() - started)
     finally:
         kernels.compiled = original
+        torch.set_num_threads(before)
+    if native.BUILD_S > 0:
+        compiles.append({"kernel": "native.cpp", "flags": {"isa": native.isa()}, "s": native.BUILD_S})
     return {"first_step_s": seconds[0], "second_step_s": seconds[1], "compiles": compiles}
 
 
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
     print(f"# {args.model}, {args.optimizer}, fused fp16 + fp32 masters, {args.threads} thread(s)")
     print(f"cold first step: {', '.join(f'{s:.1f}' for s in firsts)} s (median {statistics.median(firsts):.1f} s)")
     print(f"warm first step: {warm['first_step_s']:.1f} s; a step after: {cold[0]['second_step_s'] * 1e3:.0f} ms")
-    print("kernels compiled in the first cold run:")
+    print("kernels compiled (inductor) or built (native.cpp) in the first cold run:")
     for c in cold[0]["compiles"]:
         flags = ", ".join(f"{k}={v}" for k, v in c["flags"].items())
         print(f"  {c['s']:6.2f} s  {c['kernel']}({flags})")

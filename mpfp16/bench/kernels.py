@@ -1,5 +1,6 @@
 """The Adam kernel variants, one flat buffer each, against torch's fused fp32 AdamW on
-the same number of elements: the table behind the choices in mpfp16/stores/kernels.py.
+the same number of elements: the table behind the choices in mpfp16/stores/kernels.py
+and mpfp16/stores/native.cpp.
 
     python -m mpfp16.bench.kernels [--numel 25557032] [--threads 1,2] [--json PATH]
 
@@ -16,12 +17,22 @@ the variants of one kernel can be compared with nothing else in the way. Rows:
                          (256-bit vectors) instead of the CPU's widest;
   AdamW, no masters      reads the fp16 weight for the fp32 value (22);
   Adam, no masters, 1 pass   coupled weight decay, in one kernel (22);
-  Adam, no masters, 2 passes ``adam_moments`` then ``adam_apply`` (32), as shipped.
+  Adam, no masters, 2 passes ``adam_moments`` then ``adam_apply`` (32), the inductor
+                         kernels for stochastic and Kahan rounding;
+  native check           the C++ overflow check (``native.nonfinite``, 2), as shipped on
+                         CPU: four interleaved read streams per thread;
+  ... 1 stream           the same built to read one stream per thread;
+  native AdamW, masters  the C++ kernel (``native.adam_update``, 28), as shipped on CPU:
+                         the 16-bit weights stored around the cache (non-temporal);
+  ... ordinary weight stores  the same built with ordinary stores for the weights;
+  ... AVX2               the same built for 256-bit AVX2 (on an AVX-512 machine);
+  native AdamW, no masters / native Adam, no masters   (22 each), as shipped.
 
-Each variant is compiled as the fused backend compiles it (``kernels.compiled``:
-examples of one size class, fp16 casts kept exact) and timed alternately with the
-others, one call each per round after warm-up rounds; the table gives medians and the
-ratio to torch's fused AdamW.
+Each inductor variant is compiled as the fused backend compiles it
+(``kernels.compiled``: examples of one size class, fp16 casts kept exact); each native
+variant is a build of native.cpp (``native.build``). All are timed alternately, one
+call each per round after warm-up rounds; the table gives medians and the ratio to
+torch's fused AdamW.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ def _variants(numel: int, device: torch.device) -> dict:
     import torch._inductor.config
 
     from ..stores import kernels as K
+    from ..stores import native
 
     sc = lambda v: K.scalar(v, device)  # noqa: E731
     g = torch.Generator().manual_seed(0)
@@ -68,6 +80,25 @@ def _variants(numel: int, device: torch.device) -> dict:
                 call()
         return call
 
+    def cpp(master_weights: bool, decoupled: bool, library=None):
+        hyper = dict(inv_scale=1 / 1024, clip_coef=1.0, weight_decay=1e-2, decay_factor=1 - 1e-5,
+                     one_minus_beta1=0.1, beta2=0.999, one_minus_beta2=1e-3, bias_correction2_sqrt=0.03, eps=1e-8,
+                     neg_step_size=-1e-3, has_weight_decay=True, decoupled=decoupled, maximize=False, lerp_low=True)
+        return lambda: native.adam_update(weights, grad, master if master_weights else None, exp_avg, exp_avg_sq,
+                                          library=library, **hyper)
+
+    one_stream = native.build(defines={"MPFP16_CHECK_STREAMS": 1})
+    cpp_variants = {
+        "native check": (lambda: native.nonfinite(grad, 1 / 1024), 2),
+        "native check, 1 stream": (lambda: native.nonfinite(grad, 1 / 1024, library=one_stream), 2),
+        "native AdamW, masters": (cpp(True, True), 28),
+    }
+    cpp_variants["native AdamW, masters, ordinary weight stores"] = (
+        cpp(True, True, native.build(defines={"MPFP16_STREAM_WEIGHTS": 0})), 28)
+    if native.isa() == "AVX512":
+        cpp_variants["native AdamW, masters, AVX2"] = (cpp(True, True, native.build("AVX2")), 28)
+    cpp_variants["native AdamW, no masters"] = (cpp(False, True), 22)
+    cpp_variants["native Adam, no masters"] = (cpp(False, False), 22)
     moments = K.compiled(K.adam_moments, maximize=False, lerp_low=True)
     apply = K.compiled(K.adam_apply, rounding="nearest")
     check = K.compiled(K.grad_stats, with_norm=False)
@@ -84,6 +115,7 @@ def _variants(numel: int, device: torch.device) -> dict:
         "Adam, no masters, 2 passes": (lambda: (
             moments(weights, grad, exp_avg, exp_avg_sq, inv, clip, wd, b1, b2, ob2),
             apply(weights, exp_avg, exp_avg_sq, None, None, bc2, eps, nss)), 32),
+        **cpp_variants,
     }
 
 
@@ -113,13 +145,13 @@ def main(argv=None) -> int:
                             device)
             ref = statistics.median(times["torch fused AdamW (fp32)"])
             print(f"\n## {n} thread{'s' if n > 1 else ''}")
-            print(f"{'variant':<38}{'ms':>9}{'vs torch':>10}{'B/param':>9}{'GB/s':>8}")
+            print(f"{'variant':<40}{'ms':>9}{'vs torch':>10}{'B/param':>9}{'GB/s':>8}")
             rows = []
             for name, ts in times.items():
                 t, moved = statistics.median(ts), variants[name][1]
                 rows.append({"variant": name, "median_ms": t * 1e3, "ratio": t / ref, "bytes_per_param": moved,
                              "gb_per_s": moved * args.numel / t / 1e9})
-                print(f"{name:<38}{t * 1e3:>9.2f}{t / ref:>10.2f}{moved:>9}{moved * args.numel / t / 1e9:>8.1f}")
+                print(f"{name:<40}{t * 1e3:>9.2f}{t / ref:>10.2f}{moved:>9}{moved * args.numel / t / 1e9:>8.1f}")
             results.append({"threads": n, "rows": rows})
     finally:
         torch.set_num_threads(before)

@@ -1,6 +1,10 @@
-"""The fused step of the flat store: SGD, Adam and AdamW as one compiled kernel per
-flat segment that reads the gradient, updates the fp32 master and the optimizer state
-and writes the 16-bit weight, with no fp32 gradient buffer (mpfp16/stores/kernels.py).
+"""The fused step of the flat store: SGD, Adam and AdamW as one kernel per flat
+segment that reads the gradient, updates the fp32 master and the optimizer state and
+writes the 16-bit weight, with no fp32 gradient buffer. The kernels are compiled with
+torch.compile (mpfp16/stores/kernels.py), except on AVX2 and AVX-512 Linux CPUs for Adam
+and AdamW with round-to-nearest weights and for the overflow check that does not sum
+the squares: those are C++ on at::vec, built at first use (mpfp16/stores/native.py),
+the same results bit for bit, about level with torch's fused AdamW.
 
 A segment is a run of parameters of one param group that are stepped this step (they
 require grad) and whose optimizer state is at the same point (SGD: a momentum buffer
@@ -11,13 +15,15 @@ changes.
 
 The kernels are compiled in :meth:`FusedStep.prepare`, on scratch tensors, before
 the first step writes anything; this module itself imports no compiler, so
-``import mpfp16`` stays light and a ``fused=False`` run never imports inductor.
+``import mpfp16`` stays light, and inductor is imported only by a step that uses one of
+its kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import native
 from .base import unscale_and_check
 from .segments import runs
 
@@ -82,7 +88,7 @@ class FusedStep:
         self._steps: dict = {}  # (flat group index, segment index) -> Adam step counters
         self._adopted_for = None  # the requires_grad pattern the segments were made for
         self.from_master_grads = False  # this step reads the unscaled fp32 gradients
-        self._inv_scale: torch.Tensor | None = None
+        self._scale = 1.0  # the loss scale of this step's gradients
         self._sumsq: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ the phases
@@ -90,9 +96,8 @@ class FusedStep:
     def unscale(self, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
         """[found_inf]; without ``materialize``, read straight from the 16-bit
         gradient buffers (and their sum of squares when ``with_norm``)."""
-        from . import kernels
-
         self.from_master_grads = materialize
+        self._scale = scale
         if materialize:
             for g in self.groups:
                 if g.accumulating:
@@ -101,13 +106,28 @@ class FusedStep:
                     g.grads_to_master()
             return unscale_and_check([t for g in self.groups for t in g.fp32_grads()], scale)
         device = self.groups[0].device
-        self._inv_scale = kernels.scalar(1.0 / scale, device)
-        kernel = kernels.compiled(kernels.grad_stats, with_norm=with_norm)
         stats = torch.zeros(2, dtype=torch.float32, device=device)
         for g in self.groups:
-            stats += kernel(self._read_grads(g), self._inv_scale.to(g.device)).to(device)
+            grads = self._read_grads(g)
+            if self._native_check(grads, with_norm):
+                stats[0] += float(native.nonfinite(grads, 1.0 / scale))
+            else:
+                from . import kernels
+
+                kernel = kernels.compiled(kernels.grad_stats, with_norm=with_norm)
+                stats += kernel(grads, kernels.scalar(1.0 / scale, g.device)).to(device)
         self._sumsq = stats[1]
         return stats[:1]
+
+    @staticmethod
+    def _native_check(grads: torch.Tensor, with_norm: bool) -> bool:
+        """Whether native.nonfinite checks these gradients: on CPU, without the norm (the
+        norm's sum keeps inductor's order of summation)."""
+        return not with_norm and native.handles(grads.device, grads.dtype, grads.dtype, "nearest")
+
+    def _native_adam(self, g, grad_dtype: torch.dtype) -> bool:
+        """Whether native.adam_update steps this group's segments."""
+        return not self.is_sgd and native.handles(g.device, g.dtype, grad_dtype, self._rounding(g))
 
     def _read_grads(self, g) -> torch.Tensor:
         """The gradient buffer this step reads: the unscaled fp32 gradients after
@@ -177,15 +197,10 @@ class FusedStep:
 
     def update(self, clip_coef: torch.Tensor | None, noise: list) -> None:
         """One kernel per segment: update, and write the new 16-bit weights."""
-        from . import kernels
-
         pattern = tuple(p.requires_grad for g in self.groups for p in g.params)
         if self._adopted_for != pattern:
             self._adopt(pattern)
-        device = self.groups[0].device
-        one = kernels.scalar(1.0, device)
-        inv_scale = one if self.from_master_grads else self._inv_scale
-        clip_coef = one if clip_coef is None else clip_coef
+        inv_scale = 1.0 if self.from_master_grads else 1.0 / self._scale
         for gi, g in enumerate(self.groups):
             for si, segment in enumerate(self._segments[gi]):
                 hyper = self.optimizer.param_groups[segment.group_index]
@@ -224,18 +239,15 @@ class FusedStep:
         first = bool(names) and "momentum_buffer" not in state[g.master_views[segment.indices[0]]]
         weights, grad, master, bufs, (noise, comp) = self._slices(gi, g, segment, names, noise)
         compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, self._rounding(g)))(
-            weights, grad, master, bufs[0] if bufs else None, noise, comp, inv_scale, clip_coef,
-            scalar(_value(hyper["lr"]), dev), scalar(hyper["weight_decay"], dev), scalar(momentum, dev),
-            scalar(1 - hyper["dampening"], dev))
+            weights, grad, master, bufs[0] if bufs else None, noise, comp, scalar(inv_scale, dev),
+            scalar(1.0, dev) if clip_coef is None else clip_coef, scalar(_value(hyper["lr"]), dev),
+            scalar(hyper["weight_decay"], dev), scalar(momentum, dev), scalar(1 - hyper["dampening"], dev))
         if first:
             views = g.layout.views(self._flat_state[(gi, "momentum_buffer")])
             for i in segment.indices:
                 state[g.master_views[i]]["momentum_buffer"] = views[i]
 
     def _adam(self, gi, si, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
-        from .kernels import adam_apply, adam_moments, adam_update, compiled, scalar
-
-        dev = g.device
         steps = self._steps[(gi, si)]
         steps += 1
         step = float(steps[0])
@@ -246,23 +258,37 @@ class FusedStep:
         weights, grad, master, (exp_avg, exp_avg_sq), (noise, comp) = self._slices(
             gi, g, segment, ("exp_avg", "exp_avg_sq"), noise)
         flags = self._adam_flags(hyper, master is not None, self._rounding(g))
-        moments = (scalar(1 - beta1, dev), scalar(beta2, dev), scalar(1 - beta2, dev))
-        new = (scalar(bias_correction2**0.5, dev), scalar(eps, dev), scalar(-step_size, dev))
+        # The step's scalars in Python doubles, in the order of the kernels' arguments:
+        # the weight decay's two, the moments' three, the new parameter's three.
+        scalars = dict(weight_decay=wd, decay_factor=1 - lr * wd, one_minus_beta1=1 - beta1, beta2=beta2,
+                       one_minus_beta2=1 - beta2, bias_correction2_sqrt=bias_correction2**0.5, eps=eps,
+                       neg_step_size=-step_size)
+        if self._native_adam(g, grad.dtype):
+            native.adam_update(weights, grad, master, exp_avg, exp_avg_sq, inv_scale=inv_scale,
+                               clip_coef=1.0 if clip_coef is None else float(clip_coef), **scalars,
+                               **{k: v for k, v in flags.items() if k not in ("has_master", "rounding")})
+            return
+        from .kernels import adam_apply, adam_moments, adam_update, compiled, scalar
+
+        dev = g.device
+        inv_scale, clip_coef = scalar(inv_scale, dev), scalar(1.0, dev) if clip_coef is None else clip_coef
+        wd_t, decay, *rest = (scalar(v, dev) for v in scalars.values())
+        moments, new = rest[:3], rest[3:]
         if self._two_passes(g, hyper):
             compiled(adam_moments, maximize=flags["maximize"], lerp_low=flags["lerp_low"])(
-                weights, grad, exp_avg, exp_avg_sq, inv_scale, clip_coef, scalar(wd, dev), *moments)
+                weights, grad, exp_avg, exp_avg_sq, inv_scale, clip_coef, wd_t, *moments)
             compiled(adam_apply, rounding=flags["rounding"])(weights, exp_avg, exp_avg_sq, noise, comp, *new)
             return
         compiled(adam_update, **flags)(
-            weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_scale, clip_coef, scalar(wd, dev),
-            scalar(1 - lr * wd, dev), *moments, *new)
+            weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_scale, clip_coef, wd_t, decay, *moments, *new)
 
     @staticmethod
     def _two_passes(g, hyper: dict) -> bool:
-        """Adam with coupled weight decay over 16-bit weights without masters, on CPU:
-        two passes (``kernels.adam_moments``) run faster than one there. Not with
-        remainders: the weight decay is of the exact master, which only the one-pass
-        kernel rebuilds."""
+        """Adam with coupled weight decay over 16-bit weights without masters, on CPU
+        with inductor's kernels (stochastic or Kahan rounding; round-to-nearest takes
+        the native kernel, one pass): two passes (``kernels.adam_moments``) run faster
+        than one there. Not with remainders: the weight decay is of the exact master,
+        which only the one-pass kernel rebuilds."""
         return (not g.has_master and g.half and g.device.type == "cpu" and hyper["weight_decay"] != 0
                 and not hyper.get("decoupled_weight_decay", False) and g.remainder is None)
 
@@ -285,21 +311,25 @@ class FusedStep:
         makes; with ``with_norm``, also the overflow check that sums the squares for
         the norm (FP16Optimizer prepares again when a later step first needs either).
         The scratch sizes do not matter: ``kernels.compiled`` compiles every kernel on
-        examples of one size."""
-        from .kernels import adam_apply, adam_moments, adam_update, compiled, grad_stats, scalar, sgd_update
-
+        examples of one size. The native kernels are one library, built (or loaded
+        from disk) by the first variant that needs it."""
         numel = 64
         seen = set()  # a param group split into several segments needs its kernels once
         for g in self.groups:
             dev, dtype = g.device, g.dtype
-            one = scalar(1.0, dev)
             # The dtypes of the gradients the kernels read: 16-bit, or the fp32 sum or the
             # fp32 gradients unscale_() makes.
             grad_dtypes = (dtype,) if not g.half else (torch.float32,) if g.accumulating else (
                 (dtype, torch.float32) if fp32_grads else (dtype,))
             for norm in (False, True) if with_norm else (False,):
                 for grad_dtype in grad_dtypes:
-                    compiled(grad_stats, with_norm=norm)(torch.zeros(numel, dtype=grad_dtype, device=dev), one)
+                    grads = torch.zeros(numel, dtype=grad_dtype, device=dev)
+                    if self._native_check(grads, norm):
+                        native.load()
+                    else:
+                        from .kernels import compiled, grad_stats, scalar
+
+                        compiled(grad_stats, with_norm=norm)(grads, scalar(1.0, dev))
             for segment in g.segments:
                 hyper = self.optimizer.param_groups[segment.group_index]
                 rounding = self._rounding(g)
@@ -308,23 +338,33 @@ class FusedStep:
                 if (dev, dtype, tuple(flags.items())) in seen:
                     continue
                 seen.add((dev, dtype, tuple(flags.items())))
-                weights = torch.zeros(numel, dtype=dtype, device=dev)
-                master = torch.zeros(numel, device=dev) if g.has_master else None
-                bufs = [torch.zeros(numel, device=dev) for _ in range(2)]
-                noise = torch.zeros(numel, device=dev) if rounding == "stochastic" else None
-                comp = (torch.zeros(numel, dtype=dtype, device=dev) if rounding == "kahan" else
-                        torch.zeros(numel, dtype=torch.int16, device=dev) if rounding == "remainder" else None)
                 for grad_dtype in grad_dtypes:
-                    grad = torch.zeros(numel, dtype=grad_dtype, device=dev)
-                    if self.is_sgd:
-                        for first in (True, False):
-                            compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, rounding))(
-                                weights, grad, master, bufs[0], noise, comp, one, one, one, one, one, one)
-                    elif self._two_passes(g, hyper):
-                        compiled(adam_moments, maximize=flags["maximize"], lerp_low=flags["lerp_low"])(
-                            weights, grad, bufs[0], bufs[1], one, one, one, one, one, one)
-                        compiled(adam_apply, rounding=rounding)(weights, bufs[0], bufs[1], noise, comp, one, one, one)
+                    if self._native_adam(g, grad_dtype):
+                        native.load()
                     else:
-                        compiled(adam_update, **flags)(
-                            weights, grad, master, bufs[0], bufs[1], noise, comp, one, one, one, one, one, one,
-                            one, one, one, one)
+                        self._prepare_compiled(g, hyper, flags, grad_dtype, numel)
+
+    def _prepare_compiled(self, g, hyper: dict, flags: dict, grad_dtype: torch.dtype, numel: int) -> None:
+        """Compile the inductor kernels of one segment's step, on scratch tensors."""
+        from .kernels import adam_apply, adam_moments, adam_update, compiled, scalar, sgd_update
+
+        dev, dtype, rounding = g.device, g.dtype, flags["rounding"]
+        one = scalar(1.0, dev)
+        weights = torch.zeros(numel, dtype=dtype, device=dev)
+        master = torch.zeros(numel, device=dev) if g.has_master else None
+        bufs = [torch.zeros(numel, device=dev) for _ in range(2)]
+        noise = torch.zeros(numel, device=dev) if rounding == "stochastic" else None
+        comp = (torch.zeros(numel, dtype=dtype, device=dev) if rounding == "kahan" else
+                torch.zeros(numel, dtype=torch.int16, device=dev) if rounding == "remainder" else None)
+        grad = torch.zeros(numel, dtype=grad_dtype, device=dev)
+        if self.is_sgd:
+            for first in (True, False):
+                compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, rounding))(
+                    weights, grad, master, bufs[0], noise, comp, one, one, one, one, one, one)
+        elif self._two_passes(g, hyper):
+            compiled(adam_moments, maximize=flags["maximize"], lerp_low=flags["lerp_low"])(
+                weights, grad, bufs[0], bufs[1], one, one, one, one, one, one)
+            compiled(adam_apply, rounding=rounding)(weights, bufs[0], bufs[1], noise, comp, one, one, one)
+        else:
+            compiled(adam_update, **flags)(
+                weights, grad, master, bufs[0], bufs[1], noise, comp, one, one, one, one, one, one, one, one, one, one)

@@ -1,6 +1,9 @@
 """Single-pass optimizer updates over flat buffers, compiled with torch.compile: the
 kernels of the fused backend (mpfp16/stores/fused.py). Importing this module
-imports torch's compiler stack, so nothing imports it before a fused step needs it.
+imports torch's compiler stack, so nothing imports it before a fused step needs it. On
+AVX2 and AVX-512 CPUs under Linux, Adam and AdamW with round-to-nearest weights and the
+overflow check without the norm take the C++ kernels of mpfp16/stores/native.cpp
+instead, which compute the same bits.
 
 One kernel per flat segment reads the 16-bit gradient, unscales (and clips) it in
 fp32, updates the fp32 master and the optimizer state, and writes the rounded 16-bit
@@ -36,13 +39,11 @@ import torch._inductor.config
 from torch._inductor import inductor_prims
 
 from .. import inductor
-from ..errors import compile_errors
 from ..rounding import read_weights, write_weights
 
 logger = logging.getLogger("mpfp16")
 
-__all__ = ["sgd_update", "adam_update", "adam_moments", "adam_apply", "grad_stats", "compiled", "scalar",
-           "COMPILE_ERRORS"]
+__all__ = ["sgd_update", "adam_update", "adam_moments", "adam_apply", "grad_stats", "compiled", "scalar"]
 
 
 def scalar(value: float, device: torch.device) -> torch.Tensor:
@@ -84,10 +85,6 @@ def lerp(a, b, weight, low: bool | None = None):
     if low is None:
         return torch.where(weight.abs() < 0.5, _fma(weight, diff, a), _fma(weight - 1, diff, b))
     return _fma(weight, diff, a) if low else _fma(weight - 1, diff, b)
-
-
-# What compiling a kernel can raise (mpfp16.errors.compile_errors: one list for every compile).
-COMPILE_ERRORS = compile_errors()
 
 
 def _unscaled(grad, inv_scale, clip_coef, maximize: bool):

@@ -1,0 +1,275 @@
+// The fused step's CPU kernels for Adam and AdamW, hand-vectorized on ATen's at::vec
+// as torch's own fused CPU Adam is (mpfp16/stores/native.py builds this file at first
+// use and calls it through ctypes; it includes torch's headers only, and links to
+// nothing of torch).
+//
+// Exactness: every element goes through the operations of mpfp16/stores/kernels.py's
+// adam_update, which are those of torch.optim.Adam's for-loop step, with the same
+// roundings: the same multiplies, divides, square roots and fused multiply-adds, in
+// the same order, in fp32. The build passes -ffp-contract=off, so that the compiler
+// never fuses a multiply and an add that torch rounds twice. 16-bit values are
+// widened exactly and rounded to nearest-even with at::vec's conversions, those of
+// eager .to(); the square root and the division are IEEE, correctly rounded.
+//
+// A segment is cut into blocks of two vectors. Each thread steps a contiguous run of
+// blocks; a last, partial block is stepped from zero-padded copies on the stack, with
+// the same code as the others, and only its real elements are copied back.
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kBlock = 2 * Vec::size();
+// Below this many elements per thread, a segment is stepped by fewer threads: the
+// split is the only thing threads change (every element is stepped alike).
+constexpr int64_t kGrain = 1 << 15;
+
+template <typename T>
+inline void load(const T* p, Vec& a, Vec& b) {
+  at::vec::load_to_float<T>(p, a, b);
+}
+template <>
+inline void load<float>(const float* p, Vec& a, Vec& b) {
+  a = Vec::loadu(p);
+  b = Vec::loadu(p + Vec::size());
+}
+template <typename T>
+inline void store(T* p, const Vec& a, const Vec& b) {
+  at::vec::convert_from_float<T>(a, b).store(p);
+}
+template <>
+inline void store<float>(float* p, const Vec& a, const Vec& b) {
+  a.store(p);
+  b.store(p + Vec::size());
+}
+
+// 16-bit weights stored around the cache (non-temporal), where the step only writes
+// them: with masters the weights are never read, and an ordinary store would first read
+// each line it fills (2 of the step's bytes per parameter). `p` is aligned to a whole
+// vector of 16-bit values (kBlock of them). Against ordinary stores: docs/BENCHMARKS.md
+// (issue 29, "streaming weight stores").
+#ifndef MPFP16_STREAM_WEIGHTS
+#define MPFP16_STREAM_WEIGHTS 1
+#endif
+template <typename T>
+inline void store_streaming(T* p, const Vec& a, const Vec& b) {
+  static_assert(sizeof(T) == 2, "streaming stores are for 16-bit weights");
+  const auto v = at::vec::convert_from_float<T>(a, b);
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(p), static_cast<__m512i>(v));
+#elif defined(CPU_CAPABILITY_AVX2)
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), static_cast<__m256i>(v));
+#else
+#error "native.cpp is built for AVX2 or AVX512"
+#endif
+}
+
+
+// The step's scalars, each an fp32 value rounded from Python's double as eager kernels
+// round a Python scalar; the order of mpfp16/stores/native.py's SCALARS.
+struct Scalars {
+  float inv_scale, clip_coef, weight_decay, decay_factor, one_minus_beta1, beta2, one_minus_beta2,
+      bias_correction2_sqrt, eps, neg_step_size;
+};
+
+// Flags, the bits of native.py's FLAGS.
+enum : int { kCoupled = 1, kDecoupled = 2, kMaximize = 4, kLerpLow = 8, kUnscale = 16, kClip = 32 };
+
+template <typename W, typename G, bool kMaster>
+struct Adam {
+  const G* grad;
+  float* master;
+  float* exp_avg;
+  float* exp_avg_sq;
+  W* weights;
+  Scalars s;
+  int flags;
+
+  // One block of kBlock elements at the given pointers; kStream: store the weights
+  // with store_streaming.
+  template <bool kStream = false>
+  inline void block(const G* gp, float* pp, float* mp, float* vp, W* wp) const {
+    Vec g[2], p[2], m[2], v[2];
+    load<G>(gp, g[0], g[1]);
+    if (kMaster) {
+      load<float>(pp, p[0], p[1]);
+    } else {
+      load<W>(wp, p[0], p[1]);
+    }
+    load<float>(mp, m[0], m[1]);
+    load<float>(vp, v[0], v[1]);
+    const Vec inv_scale(s.inv_scale), clip_coef(s.clip_coef), weight_decay(s.weight_decay),
+        decay_factor(s.decay_factor), w_low(s.one_minus_beta1), w_high(s.one_minus_beta1 - 1.0f), beta2(s.beta2),
+        one_minus_beta2(s.one_minus_beta2), bias_correction2_sqrt(s.bias_correction2_sqrt), eps(s.eps),
+        neg_step_size(s.neg_step_size);
+    for (int k = 0; k < 2; ++k) {
+      // g = grad.float() * inv_scale * clip_coef: a multiply by 1 is exact, so it is left out.
+      Vec gk = g[k];
+      if (flags & kUnscale) gk = gk * inv_scale;
+      if (flags & kClip) gk = gk * clip_coef;
+      if (flags & kMaximize) gk = gk.neg();
+      Vec param = p[k];
+      if (flags & kCoupled) gk = at::vec::fmadd(param, weight_decay, gk);  // add(g, param, alpha=wd)
+      if (flags & kDecoupled) param = param * decay_factor;
+      // lerp(exp_avg, g, 1 - beta1), by eager CPU lerp's formula for |weight| < 0.5 or not
+      const Vec diff = gk - m[k];
+      m[k] = (flags & kLerpLow) ? at::vec::fmadd(w_low, diff, m[k]) : at::vec::fmadd(w_high, diff, gk);
+      // addcmul(exp_avg_sq * beta2, g, g, value=1 - beta2)
+      v[k] = at::vec::fmadd(one_minus_beta2 * gk, gk, v[k] * beta2);
+      // addcdiv(param, exp_avg, sqrt(exp_avg_sq) / bias_correction2_sqrt + eps, value=-step_size)
+      p[k] = param + (neg_step_size * m[k]) / (v[k].sqrt() / bias_correction2_sqrt + eps);
+    }
+    store<float>(mp, m[0], m[1]);
+    store<float>(vp, v[0], v[1]);
+    if (kMaster) store<float>(pp, p[0], p[1]);
+    if constexpr (kStream) {
+      store_streaming<W>(wp, p[0], p[1]);
+    } else {
+      store<W>(wp, p[0], p[1]);
+    }
+  }
+
+  // The partial block at offset i: k < kBlock elements.
+  void tail(int64_t i, int64_t k) const {
+    alignas(64) G g[kBlock] = {};
+    alignas(64) float p[kBlock] = {}, m[kBlock] = {}, v[kBlock] = {};
+    alignas(64) W w[kBlock] = {};
+    std::memcpy(g, grad + i, k * sizeof(G));
+    if (kMaster) std::memcpy(p, master + i, k * sizeof(float));
+    std::memcpy(m, exp_avg + i, k * sizeof(float));
+    std::memcpy(v, exp_avg_sq + i, k * sizeof(float));
+    std::memcpy(w, weights + i, k * sizeof(W));
+    block(g, p, m, v, w);
+    if (kMaster) std::memcpy(master + i, p, k * sizeof(float));
+    std::memcpy(exp_avg + i, m, k * sizeof(float));
+    std::memcpy(exp_avg_sq + i, v, k * sizeof(float));
+    std::memcpy(weights + i, w, k * sizeof(W));
+  }
+
+  void run(int64_t n, int threads) const {
+    const int64_t blocks = n / kBlock;
+    const int used = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, n / kGrain)));
+#pragma omp parallel num_threads(used)
+    {
+      const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+      const int64_t end = blocks * (t + 1) / T * kBlock;
+      int64_t i = blocks * t / T * kBlock;
+      if constexpr (kMaster && sizeof(W) == 2 && MPFP16_STREAM_WEIGHTS) {
+        // every block starts a multiple of kBlock elements after `weights`: all are
+        // aligned for store_streaming or none is
+        if (reinterpret_cast<std::uintptr_t>(weights) % (kBlock * sizeof(W)) == 0) {
+          for (; i < end; i += kBlock) block<true>(grad + i, master + i, exp_avg + i, exp_avg_sq + i, weights + i);
+          _mm_sfence();  // the streamed lines are written before the threads join
+        }
+      }
+      for (; i < end; i += kBlock) {
+        block(grad + i, kMaster ? master + i : nullptr, exp_avg + i, exp_avg_sq + i, weights + i);
+      }
+      if (t == T - 1 && end < n) tail(end, n - end);
+    }
+  }
+};
+
+template <typename W, typename G>
+void adam(int64_t n, const void* grad, float* master, float* exp_avg, float* exp_avg_sq, void* weights,
+          const Scalars& s, int flags, int threads) {
+  if (master != nullptr) {
+    Adam<W, G, true>{static_cast<const G*>(grad), master, exp_avg, exp_avg_sq, static_cast<W*>(weights), s, flags}
+        .run(n, threads);
+  } else {
+    Adam<W, G, false>{static_cast<const G*>(grad), nullptr, exp_avg, exp_avg_sq, static_cast<W*>(weights), s, flags}
+        .run(n, threads);
+  }
+}
+
+// Whether any of grad * inv_scale is inf or NaN: x - x is 0 for every finite x and
+// NaN otherwise, and a sum stays NaN once it has met one. Each thread reads its run
+// of blocks as kStreams interleaved sub-runs at once. Against one stream this made no
+// clear difference here (mpfp16.bench.kernels, "native check, 1 stream"): on this
+// CPU a pass that only reads draws about 0.6 of the update's bandwidth either way.
+#ifndef MPFP16_CHECK_STREAMS
+#define MPFP16_CHECK_STREAMS 4
+#endif
+constexpr int64_t kStreams = MPFP16_CHECK_STREAMS;
+
+template <typename G>
+inline Vec finite_sum(const G* p, const Vec& scale) {
+  Vec a, c;
+  load<G>(p, a, c);
+  a = a * scale;
+  c = c * scale;
+  return (a - a) + (c - c);
+}
+
+template <typename G>
+bool nonfinite(int64_t n, const G* grad, float inv_scale, int threads) {
+  const int64_t blocks = n / kBlock;
+  int used = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, n / kGrain)));
+  int found = 0;
+#pragma omp parallel num_threads(used) reduction(| : found)
+  {
+    const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+    const int64_t begin = blocks * t / T, end = blocks * (t + 1) / T;
+    const int64_t stride = (end - begin) / kStreams;
+    const Vec scale(inv_scale);
+    Vec acc[kStreams];
+    for (int64_t s = 0; s < kStreams; ++s) acc[s] = Vec(0.0f);
+    for (int64_t b = 0; b < stride; ++b) {
+      for (int64_t s = 0; s < kStreams; ++s) {
+        acc[s] = acc[s] + finite_sum(grad + (begin + s * stride + b) * kBlock, scale);
+      }
+    }
+    for (int64_t b = begin + kStreams * stride; b < end; ++b) acc[0] = acc[0] + finite_sum(grad + b * kBlock, scale);
+    if (t == T - 1 && blocks * kBlock < n) {
+      alignas(64) G g[kBlock] = {};
+      std::memcpy(g, grad + blocks * kBlock, (n - blocks * kBlock) * sizeof(G));
+      acc[0] = acc[0] + finite_sum(g, scale);
+    }
+    for (int64_t s = 1; s < kStreams; ++s) acc[0] = acc[0] + acc[s];
+    alignas(64) float lanes[Vec::size()];
+    acc[0].store(lanes);
+    for (int j = 0; j < Vec::size(); ++j) found |= std::isnan(lanes[j]) ? 1 : 0;
+  }
+  return found != 0;
+}
+
+}  // namespace
+
+// dtype codes: 0 fp32, 1 fp16, 2 bf16 (native.py's DTYPES).
+extern "C" int mpfp16_adam(int64_t n, int weight_dtype, int grad_dtype, const void* grad, float* master,
+                           float* exp_avg, float* exp_avg_sq, void* weights, const float* scalars, int flags,
+                           int threads) {
+  Scalars s;
+  std::memcpy(&s, scalars, sizeof(Scalars));
+  const int key = weight_dtype * 3 + grad_dtype;
+  switch (key) {
+    case 0: adam<float, float>(n, grad, master, exp_avg, exp_avg_sq, weights, s, flags, threads); return 0;
+    case 3: adam<c10::Half, float>(n, grad, master, exp_avg, exp_avg_sq, weights, s, flags, threads); return 0;
+    case 4: adam<c10::Half, c10::Half>(n, grad, master, exp_avg, exp_avg_sq, weights, s, flags, threads); return 0;
+    case 6: adam<c10::BFloat16, float>(n, grad, master, exp_avg, exp_avg_sq, weights, s, flags, threads); return 0;
+    case 8:
+      adam<c10::BFloat16, c10::BFloat16>(n, grad, master, exp_avg, exp_avg_sq, weights, s, flags, threads);
+      return 0;
+    default: return -1;
+  }
+}
+
+// 1 if any element of grad * inv_scale is inf or NaN, 0 if none, -1 for an unknown dtype.
+extern "C" int mpfp16_nonfinite(int64_t n, int grad_dtype, const void* grad, float inv_scale, int threads) {
+  switch (grad_dtype) {
+    case 0: return nonfinite(n, static_cast<const float*>(grad), inv_scale, threads);
+    case 1: return nonfinite(n, static_cast<const c10::Half*>(grad), inv_scale, threads);
+    case 2: return nonfinite(n, static_cast<const c10::BFloat16*>(grad), inv_scale, threads);
+    default: return -1;
+  }
+}
