@@ -12,6 +12,12 @@
   once inductor's cache holds it), whichever test meets it first. A fixture shared by several tests
   counts for the first that uses it.
 
+Every test, slow ones included, leaves torch's intra-op thread count as it found it: a
+test that sets it and does not restore it runs every later test of its process at that
+count (a test of a thread count left 2 threads under pytest-xdist's one-thread workers,
+and a later fast test went over its bound in CI). The count is restored, and the test
+errors at teardown naming both counts.
+
 A test that breaks a rule fails with one line saying which, so that ``pytest -m "not
 slow"`` stays a two-minute loop. Tests marked ``cuda`` are exempt (they run on a GPU
 machine only). Programs that are not Python (the C++ compiler inductor runs) are not
@@ -39,6 +45,7 @@ import pytest
 
 FAST_LIMIT_S = 10.0
 _SEEN = pytest.StashKey[tuple]()
+_THREADS = pytest.StashKey[int]()
 _PER_FILE = pytest.StashKey[dict]()
 
 
@@ -167,6 +174,9 @@ def _counted(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     """The fixtures' part: a fixture that launches (a worker group, say) counts too."""
+    import torch
+
+    item.stash[_THREADS] = torch.get_num_threads()
     if _exempt(item):
         return (yield from _counted(item))
     item.stash[_SEEN] = ([], 0.0)
@@ -195,6 +205,19 @@ def pytest_runtest_call(item):
     if took > _limit_s():
         pytest.fail(f"a test not marked slow took {took:.1f} s with its fixtures (compiling aside), over the fast tier's {_limit_s():g} s: "
                     "make it smaller, or mark it @pytest.mark.slow", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    result = yield
+    import torch
+
+    started, now = item.stash.get(_THREADS, None), torch.get_num_threads()
+    if started is not None and now != started:
+        torch.set_num_threads(started)
+        pytest.fail(f"the test left torch's thread count at {now}, not the {started} it started with: "
+                    "restore it (torch.set_num_threads in a finally)", pytrace=False)
     return result
 
 

@@ -67,6 +67,7 @@ def test_vit_b_16_trains_in_fp16_at_the_run_image_size(tmp_path, capsys):
         os.unlink(tmp_path / name)
 
 
+@pytest.mark.slow  # three fp16 steps of the whole ViT-B/16 on CPU: 7.4 s in one process, over 10 s on a cold page cache
 def test_attention_gradients_are_far_below_overflow_at_the_default_loss_scale():
     """Attention's gradients, scaled by the scripts' default first scale (dynamic,
     2**16), stay 16x below fp16's max. What can overflow at a batch of 2 is only the
