@@ -12,10 +12,16 @@ So the limit is the best GB/s of these, each over buffers of the step's size, be
 ``rounds`` calls:
 
 - ``copy`` and ``triad``: torch ops over fp32 buffers (8 and 12 bytes per element);
-- one compiled pass (``torch.compile``) per stream shape in :data:`SHAPES`. It reads
-  every input buffer once, adds them in fp32, and writes the sum to every output
-  buffer in that buffer's dtype. This is the step's traffic with one add per element,
-  so there is no arithmetic for the memory time to hide behind;
+- one compiled pass (``torch.compile``) per stream shape in :data:`SHAPES`, with the
+  step's own buffers: the gradient, read only; the buffers the step updates in place
+  (the master, the moments or the momentum, and the 16-bit weight where there is no
+  master), read and written back; and the 16-bit weight where there is a master,
+  written only. It averages what it reads in fp32 and writes that to every buffer
+  written, in its dtype. This is the step's traffic with two operations per element,
+  so there is no arithmetic for the memory time to hide behind. (Before 2026-12-02
+  these passes wrote separate output buffers, which an ordinary store first reads: a
+  traffic the in-place step does not have, so the passes ran at 0.5-0.8 of torch's
+  fused AdamW and bounded nothing.);
 - ``torch fused AdamW``: ``torch._fused_adamw_`` on one fp32 tensor (7 streams, 28
   bytes per parameter). Its GB/s is achievable by definition.
 
@@ -33,20 +39,23 @@ from .timing import time_call
 __all__ = ["SHAPES", "measure"]
 
 F16, F32 = torch.float16, torch.float32
-# name -> (dtypes read, dtypes written): the fused kernels' streams (mpfp16/stores/kernels.py)
-SHAPES: dict[str, tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]] = {
-    "sgd, masters (6 streams, 20 B)": ((F16, F32, F32), (F32, F32, F16)),  # grad, master, momentum
-    "adam, masters (8 streams, 28 B)": ((F16, F32, F32, F32), (F32, F32, F32, F16)),  # + both moments
-    "sgd, no masters (5 streams, 14 B)": ((F16, F16, F32), (F16, F32)),  # grad, weight, momentum
-    "adam, no masters (7 streams, 22 B)": ((F16, F16, F32, F32), (F16, F32, F32)),
+# name -> (dtypes read only, read and written in place, written only): the fused
+# kernels' streams (mpfp16/stores/kernels.py, native.cpp)
+SHAPES: dict[str, tuple[tuple[torch.dtype, ...], ...]] = {
+    "sgd, masters (6 streams, 20 B)": ((F16,), (F32, F32), (F16,)),  # grad; master, momentum; weight
+    "adam, masters (8 streams, 28 B)": ((F16,), (F32, F32, F32), (F16,)),  # grad; master, moments; weight
+    "sgd, no masters (5 streams, 14 B)": ((F16,), (F16, F32), ()),  # grad; weight, momentum
+    "adam, no masters (7 streams, 22 B)": ((F16,), (F16, F32, F32), ()),  # grad; weight, moments
 }
 
 
-def _one_pass(reads: list[torch.Tensor], writes: list[torch.Tensor]) -> None:
-    total = reads[0].float()
-    for r in reads[1:]:
+def _one_pass(read: list[torch.Tensor], updated: list[torch.Tensor], written: list[torch.Tensor]) -> None:
+    ins = [*read, *updated]
+    total = ins[0].float()
+    for r in ins[1:]:
         total = total + r.float()
-    for w in writes:
+    total = total * (1.0 / len(ins))  # an average: the values stay where they are, call after call
+    for w in (*updated, *written):
         w.copy_(total)
 
 
@@ -82,12 +91,13 @@ def measure(device: torch.device, numel: int, rounds: int = 5, shapes: dict | No
     out["copy"] = 8 * numel / _best(lambda: a.copy_(b), device, rounds) / 1e9
     out["triad"] = 12 * numel / _best(lambda: torch.add(b, c, alpha=3.0, out=a), device, rounds) / 1e9
     del a, b, c
-    for name, (read_dtypes, write_dtypes) in (SHAPES if shapes is None else shapes).items():
-        reads = [torch.rand(numel, device=device).to(d) for d in read_dtypes]
-        writes = [torch.empty(numel, dtype=d, device=device) for d in write_dtypes]
-        seconds = _best(lambda: _kernel()(reads, writes), device, rounds)
-        out[name] = (_bytes(read_dtypes) + _bytes(write_dtypes)) * numel / seconds / 1e9
-        del reads, writes
+    for name, (read_only, in_place, write_only) in (SHAPES if shapes is None else shapes).items():
+        read = [torch.rand(numel, device=device).to(d) for d in read_only]
+        updated = [torch.rand(numel, device=device).to(d) for d in in_place]
+        written = [torch.empty(numel, dtype=d, device=device) for d in write_only]
+        seconds = _best(lambda: _kernel()(read, updated, written), device, rounds)
+        out[name] = (_bytes(read_only) + 2 * _bytes(in_place) + _bytes(write_only)) * numel / seconds / 1e9
+        del read, updated, written
     if not torch_adamw:
         return out
     p, g = torch.rand(numel, device=device), torch.rand(numel, device=device) * 1e-3

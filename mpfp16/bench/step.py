@@ -8,11 +8,15 @@ bandwidth measured in the same run.
 Every method steps a parameter set with the shapes of a model (a torchvision model by
 name, ResNet-50 by default: 25.6M parameters in 161 tensors; or ``gpt2``, GPT-2
 small: 124.4M parameters in 148 tensors, tied embeddings, mpfp16/train/gpt.py) from
-gradients that are already there; only the step is timed. Normalization layers'
-parameters stay fp32 in the 16-bit methods, as ``to_half`` keeps them. The methods run
-alternately, one step each per round, after warm-up rounds (which also compile
-mpfp16's fused kernels); the table gives medians and each method's ratio to torch's
-own fp32 step:
+gradients that are already there; only the step is timed. Before each step, every
+method gets the same untimed backward pass, one that reaches every parameter and adds
+exactly zero to its gradient: training's backward writes every gradient before a step,
+and a step's speed depends on what that leaves in the caches (the fp32 methods had none
+before 2026-12-02, the 16-bit ones, which need it for ``step()`` to accept the
+gradients, did). Normalization layers' parameters stay fp32 in the 16-bit methods, as
+``to_half`` keeps them. The methods run alternately, one step each per round, after
+warm-up rounds (which also compile mpfp16's fused kernels); the table gives medians and
+each method's ratio to torch's own fp32 step:
 
   a. torch fp32: SGD-momentum with foreach=True, or Adam/AdamW with fused=True;
   b. torch.amp: GradScaler.unscale_ + step + update over fp32 parameters;
@@ -41,9 +45,9 @@ With ``--remainder``, bf16 side by side (docs/REMAINDER.md), both fused:
 
 **The limit.** Before the methods, for each thread count, the run measures the roofline
 of :mod:`mpfp16.bench.roofline` over buffers of the model's parameter count: a copy and
-a triad, one compiled pass with each fused kernel's own streams (the same dtypes read
-and written, one add per element), and torch's fused fp32 AdamW (7 streams, achievable
-by definition); the best GB/s is the limit. Each method's row then gives the bytes per
+a triad, one compiled pass with each fused kernel's own streams (the same dtypes read,
+updated in place and written, an average per element), and torch's fused fp32 AdamW (7
+streams, achievable by definition); the best GB/s is the limit. Each method's row then gives the bytes per
 parameter it moves (``TRAFFIC``: every pass it makes, reads plus writes, as counted
 below), the GB/s that makes at its median time, and the fraction of the limit: at most
 1, up to noise, for a method that moves what ``TRAFFIC`` says.
@@ -58,6 +62,7 @@ import json
 import platform
 import statistics
 import sys
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -86,7 +91,7 @@ def _torch_step_bytes(kind: str, fused: bool) -> int:
     return 12 + 12 + 20 + 24 + 16 - (4 if kind == "adamw" else 0)
 
 
-def traffic(kind: str, device_type: str = "cpu") -> dict[str, int]:
+def traffic(kind: str) -> dict[str, int]:
     """Bytes per parameter each method moves through memory, pass by pass.
 
     a. torch's step: SGD foreach, or fused Adam/AdamW (``_torch_step_bytes``).
@@ -99,10 +104,9 @@ def traffic(kind: str, device_type: str = "cpu") -> dict[str, int]:
     e. mpfp16 unfused: fp16 grad -> fp32 (6), unscale and check in one pass (8),
        torch's for-loop step on the masters, master -> fp16 weight (6).
     f. no masters: check (2), the kernel reads the fp16 weight for the fp32 master
-       (SGD: 2 + 2 + 4 read, 4 + 2 written = 14; Adam: 22). Adam with its coupled
-       weight decay runs two passes on CPU (kernels.adam_moments): weight, gradient and
-       moments read, moments written (20), then weight and moments read and the
-       weight written (12): 32.
+       (SGD: 2 + 2 + 4 read, 4 + 2 written = 14; Adam: 22), in one pass (on CPU, the
+       native kernel's; only stochastic and Kahan rounding, not timed here, take two
+       passes for Adam's coupled weight decay there).
     g. d after unscale_(): fp16 grad -> fp32 plus unscale and check (14), the kernel
        reads the fp32 gradient (2 more than d's).
     h. a skipped step: the check (2), the overflow scan (2), zero_grad writes (2).
@@ -123,7 +127,7 @@ def traffic(kind: str, device_type: str = "cpu") -> dict[str, int]:
         "c": 6 + 8 + 6 + torch_step + 6,
         "d": 2 + fused_kernel,
         "e": 14 + torch_step + 6,
-        "f": 2 + (32 if kind == "adam" and device_type == "cpu" else fused_kernel - 6),
+        "f": 2 + fused_kernel - 6,
         "g": 14 + fused_kernel + 2,
         "h": 2 + 2 + 2,
         "i": 2,
@@ -173,16 +177,28 @@ def _fp32_copies(params) -> list[nn.Parameter]:
     return ps
 
 
+def _zero_loss(ps) -> torch.Tensor:
+    """A loss whose backward reaches every parameter of ``ps`` and adds exactly zero to
+    its gradient."""
+    return torch.stack([p.view(-1)[0].float() for p in ps]).sum() * 0.0
+
+
+def zero_backward(ps) -> Callable[[], None]:
+    """The untimed backward before each step of a method (plain ``backward()``; mpfp16's
+    methods run the same loss through ``opt.backward``, ``_Mpfp16._touch``)."""
+    return lambda: _zero_loss(ps).backward()
+
+
 def fp32_reference(kind: str, params):
-    """a: torch's fastest fp32 step for the optimizer."""
+    """a: torch's fastest fp32 step for the optimizer; (its backward, its step)."""
     ps = _fp32_copies(params)
     opt = inner_optimizer(kind, ps, foreach=True) if kind.startswith("sgd") else inner_optimizer(kind, ps, fused=True)
-    return opt.step
+    return zero_backward(ps), opt.step
 
 
 def amp_grad_scaler(kind: str, params):
     """b: GradScaler over fp32 parameters (it refuses fp16 gradients). A scale of 1
-    keeps the gradients the same from one round to the next."""
+    keeps the gradients the same from one round to the next. (Its backward, its step.)"""
     ps = _fp32_copies(params)
     opt = inner_optimizer(kind, ps, foreach=True) if kind.startswith("sgd") else inner_optimizer(kind, ps)
     scaler = torch.amp.GradScaler(ps[0].device.type, init_scale=1.0, growth_interval=1 << 30)
@@ -193,12 +209,12 @@ def amp_grad_scaler(kind: str, params):
         scaler.step(opt)
         scaler.update()
 
-    return step
+    return zero_backward(ps), step
 
 
 def apex_loop(kind: str, params):
     """c: the per-tensor master loop of apex's FP16_Optimizer (fp32 parameters are
-    their own masters, as in apex's fp32_from_fp32 groups)."""
+    their own masters, as in apex's fp32_from_fp32 groups). (Its backward, its step.)"""
     model16 = [nn.Parameter(p.detach().half() if half else p.detach().clone()) for p, half in params]
     for p in model16:
         p.grad = (torch.randn_like(p, dtype=torch.float32) * 1e-3 * LOSS_SCALE).to(p.dtype)
@@ -224,7 +240,7 @@ def apex_loop(kind: str, params):
             else:
                 p.copy_(m)
 
-    return step
+    return zero_backward(model16), step
 
 
 class _Mpfp16:
@@ -242,7 +258,7 @@ class _Mpfp16:
     def _touch(self) -> None:
         """A backward pass that reaches every parameter and adds exactly zero to its
         gradient, so that step() accepts the gradients as fresh (untimed)."""
-        self.opt.backward(torch.stack([p.view(-1)[0].float() for p in self.params]).sum() * 0.0)
+        self.opt.backward(_zero_loss(self.params))
 
     def step(self) -> bool:
         return self.opt.step()
@@ -367,9 +383,9 @@ def main(argv=None) -> int:
     unscaled16 = _Mpfp16(kind, params, fused=True)
     a_name = f"a. torch fp32 {'SGD foreach' if kind.startswith('sgd') else kind + ' fused'}"
     methods = {
-        a_name: (None, fp32_reference(kind, params)),
-        "b. torch.amp GradScaler": (None, amp_grad_scaler(kind, params)),
-        "c. apex-style loop": (None, apex_loop(kind, params)),
+        a_name: fp32_reference(kind, params),
+        "b. torch.amp GradScaler": amp_grad_scaler(kind, params),
+        "c. apex-style loop": apex_loop(kind, params),
         "d. mpfp16 fp16+masters": (fused16._touch, fused16.step),
         "e. mpfp16 unfused": (unfused16._touch, unfused16.step),
         "f. mpfp16 no masters": (nomaster16._touch, nomaster16.step),
@@ -384,7 +400,7 @@ def main(argv=None) -> int:
         bf16_held = _Mpfp16(kind, params, dtype=torch.bfloat16, fused=True, master_weights="remainder")
         methods["j. bf16 + fp32 masters"] = (bf16_masters._touch, bf16_masters.step)
         methods["k. bf16, remainder masters"] = (bf16_held._touch, bf16_held.step)
-    bytes_per_param = traffic(kind, device.type)
+    bytes_per_param = traffic(kind)
     where = cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"# {args.model} shapes: {numel:,} parameters in {len(params)} tensors; {kind}; {device.type} ({where}); "
           f"median of {args.rounds} rounds")
