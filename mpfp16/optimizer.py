@@ -29,6 +29,7 @@ and 6 in one pass, and reads the 16-bit gradients directly in 2).
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 import weakref
 
@@ -46,7 +47,7 @@ from .stores import ParamStore, build_store, store_type
 from .stores.flat import is_master
 from .stores.fused import fast_path_flag, unsupported_reason
 
-__all__ = ["FP16Optimizer", "check_options", "upgrade_state_dict", "describe_overflow", "STATE_FORMAT",
+__all__ = ["FP16Optimizer", "check_options", "make_scaler", "upgrade_state_dict", "describe_overflow", "STATE_FORMAT",
            "OVERFLOW_REPORTED", "MASTER_WEIGHTS"]
 
 logger = logging.getLogger("mpfp16")
@@ -65,6 +66,11 @@ ACCUMULATE_DTYPES = (None, torch.float32)  # accumulate_dtype's choices; None: t
 # master_weights' choices: fp32 masters; none (the 16-bit weights stepped directly); or, for bf16, the fp32 masters
 # held exactly as the bf16 weights and an int16 remainder each (docs/REMAINDER.md)
 MASTER_WEIGHTS = (True, False, "remainder")
+
+
+def _group_params(groups: list[dict]) -> list[tuple[int, ...]]:
+    """The identities of each param group's parameters, in order."""
+    return [tuple(map(id, group["params"])) for group in groups]
 
 
 def _master_mode(master_weights) -> str:
@@ -98,6 +104,29 @@ def _check_remainder(*, rounding: str, sharded: bool, dtypes, say) -> None:
                          f"are, with no masters to hold; drop {asked}")
 
 
+def _is_number(value) -> bool:
+    """A real number, not a bool (``True`` is an int to Python, and was taken as 1.0)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_types(*, say, **options) -> None:
+    """Each option of :func:`check_options` of its type, or one line naming it: a string
+    ``max_grad_norm="1.0"`` failed later inside a comparison, ``True`` was taken as 1.0,
+    and ``master_weights=None`` as no masters."""
+    rules = {
+        "master_weights": (lambda v: isinstance(v, (bool, str)), "True, False or 'remainder'"),
+        "rounding": (lambda v: isinstance(v, str), f"one of {', '.join(map(repr, ROUNDINGS))}"),
+        "max_grad_norm": (lambda v: v is None or _is_number(v), "a number or None"),
+        "fused": (lambda v: v is None or isinstance(v, bool), "True, False or None"),
+        "sharded": (lambda v: isinstance(v, bool), "True or False"),
+        "reduce_overflow": (lambda v: isinstance(v, bool), "True or False"),
+    }
+    for name, value in options.items():
+        right, what = rules[name]
+        if not right(value):
+            raise TypeError(f"{say(name, value)} must be {what}, not {type(value).__name__}")
+
+
 def check_options(*, master_weights: bool | str = True, rounding: str = "nearest", max_grad_norm: float | None = None,
                   fused: bool | None = None, sharded: bool = False, reduce_overflow: bool = True,
                   accumulate_dtype: torch.dtype | None = None, dtypes=None, say=library_words) -> None:
@@ -116,6 +145,8 @@ def check_options(*, master_weights: bool | str = True, rounding: str = "nearest
     Raises:
         ValueError: one line naming the options in the caller's words.
     """
+    _check_types(master_weights=master_weights, rounding=rounding, max_grad_norm=max_grad_norm, fused=fused,
+                 sharded=sharded, reduce_overflow=reduce_overflow, say=say)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"{say('max_grad_norm', max_grad_norm)} must be positive or None")
     if rounding not in ROUNDINGS:
@@ -148,6 +179,41 @@ def check_options(*, master_weights: bool | str = True, rounding: str = "nearest
     if not reduce_overflow:
         raise ValueError(f"{say('reduce_overflow', False)} is not possible for {where}: each rank sees only its "
                          "own shards' inf/NaN, so the ranks would make different skip decisions")
+
+
+def make_scaler(loss_scale, compute_dtype: torch.dtype) -> LossScaler:
+    """The scaler FP16Optimizer's ``loss_scale`` option means for a model that computes
+    in ``compute_dtype``: ``"dynamic"`` is a :class:`DynamicLossScaler` for fp16 and no
+    scaling otherwise (bf16 and fp32 have fp32's exponent range); a number is a static
+    scale; None is no scaling; a :class:`LossScaler` is used as it is.
+
+    A scale other than 1 over a model that computes in bf16 is refused, as the
+    training scripts refuse ``--loss-scale`` with ``--precision bf16``: bf16 gradients
+    cannot underflow where fp32 ones would not, so the scale only multiplies and
+    divides. An fp32 model may take one: its user may compute in fp16 under
+    ``torch.autocast``, whose fp16 activation gradients can underflow.
+
+    Raises:
+        ValueError, TypeError: one line naming the option.
+    """
+    if isinstance(loss_scale, LossScaler):
+        scaler = loss_scale
+    elif loss_scale is None:
+        scaler = LossScaler(1.0)
+    elif isinstance(loss_scale, str):
+        if loss_scale != "dynamic":
+            raise ValueError(f"loss_scale must be 'dynamic', a number, None or a LossScaler; got {loss_scale!r}")
+        scaler = DynamicLossScaler() if compute_dtype == torch.float16 else LossScaler(1.0)
+    elif _is_number(loss_scale):
+        scaler = LossScaler(float(loss_scale))
+    else:
+        raise TypeError(f"loss_scale must be 'dynamic', a number, None or a LossScaler; got {type(loss_scale).__name__}")
+    if compute_dtype == torch.bfloat16 and (scaler.dynamic or scaler.scale != 1.0):
+        shown = repr(loss_scale) if not isinstance(loss_scale, LossScaler) else repr(scaler)
+        raise ValueError(f"loss_scale={shown} over a model that computes in bfloat16: bf16 has fp32's exponent "
+                         "range, so its gradients need no loss scaling; pass loss_scale=None (or 'dynamic', which "
+                         "means no scaling for bf16)")
+    return scaler
 
 
 def describe_overflow(report: list[dict], named: int = OVERFLOW_NAMED) -> str:
@@ -300,6 +366,12 @@ class FP16Optimizer(torch.optim.Optimizer):
             raise TypeError("the optimizer is already an FP16Optimizer; wrap the inner optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model= must be the torch.nn.Module the parameters belong to, not {type(model).__name__}")
+        if not isinstance(track_grad_norm, bool):
+            raise TypeError(f"track_grad_norm={track_grad_norm!r} must be True or False, not {type(track_grad_norm).__name__}")
+        if not isinstance(rounding_seed, int) or isinstance(rounding_seed, bool):
+            raise TypeError(f"rounding_seed={rounding_seed!r} must be an int, not {type(rounding_seed).__name__}")
         self.optimizer = optimizer
         params = self._held_params(model)
         kind = store_type(params)
@@ -339,7 +411,7 @@ class FP16Optimizer(torch.optim.Optimizer):
                        self.store.explain())
         names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
         self._names = [names.get(id(p)) for p in params] if model is not None else None
-        self.scaler = self._make_scaler(loss_scale, self.store.has_fp16)
+        self.scaler = make_scaler(loss_scale, self.store.compute_dtype)
         self._rounding_rng = torch.Generator(device=self.store.device)
         self._rounding_rng.manual_seed(rounding_seed)
 
@@ -382,6 +454,41 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         self.defaults = self.optimizer.defaults
+        self._held_groups = _group_params(self.param_groups)  # what the store holds, group by group
+
+    def _check_groups(self) -> None:
+        """Refuse, in one line, a change to the inner optimizer's groups since it was
+        wrapped: a group added through the inner optimizer (``inner.add_param_group``,
+        torch's fine-tuning idiom, which :meth:`add_param_group` refuses on the
+        wrapper), a group removed, parameters added to or taken from a group, or the
+        groups replaced (``inner.load_state_dict`` called directly, which loads neither
+        the masters nor the scaler, and leaves this wrapper's ``param_groups`` on the
+        old list). The store holds the parameters of construction alone: a parameter
+        it does not hold has no fp32 master and its gradient is still scaled, so it
+        would be stepped 16-bit and loss-scale times too far, or never. Every rank runs
+        the same code over the same groups, so every rank refuses at the same call."""
+        groups = self.optimizer.param_groups
+        if groups is not self.param_groups:
+            raise RuntimeError(
+                "the inner optimizer's param_groups were replaced after FP16Optimizer wrapped it (its own "
+                "load_state_dict, or an assignment), so the masters, the scaler and this wrapper's param_groups no "
+                "longer go with them: load checkpoints through FP16Optimizer.load_state_dict")
+        now = _group_params(groups)
+        if now == self._held_groups:
+            return
+        held = self._held_groups
+        if len(now) != len(held):
+            i = min(len(now), len(held))
+            change = (f"param group {i} ({len(now[i])} parameters) was added, as inner.add_param_group does"
+                      if len(now) > len(held) else f"param group {i} was removed")
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(now, held)) if a != b)
+            change = f"the parameters of param group {i} changed ({len(held[i])} -> {len(now[i])})"
+        raise RuntimeError(
+            f"the inner optimizer's param groups changed after FP16Optimizer wrapped it ({change}): FP16Optimizer "
+            "steps only the parameters it was built over (others have no fp32 master, and their gradients are still "
+            "loss-scaled); build the inner optimizer with every group first, then wrap it (a layer to unfreeze "
+            "later can be in it from the start, with requires_grad=False)")
 
     # ----------------------------------------------------------------- construction
 
@@ -418,18 +525,7 @@ class FP16Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _make_scaler(loss_scale, has_fp16: bool) -> LossScaler:
-        if isinstance(loss_scale, LossScaler):
-            return loss_scale
-        if loss_scale is None:
-            return LossScaler(1.0)
-        if isinstance(loss_scale, str):
-            if loss_scale != "dynamic":
-                raise ValueError(f"loss_scale must be 'dynamic', a number, None or a LossScaler; got {loss_scale!r}")
-            # Only fp16 needs scaling: bf16 and fp32 have fp32's exponent range.
-            return DynamicLossScaler() if has_fp16 else LossScaler(1.0)
-        if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-            return LossScaler(float(loss_scale))
-        raise TypeError(f"loss_scale must be 'dynamic', a number, None or a LossScaler; got {type(loss_scale).__name__}")
+        return make_scaler(loss_scale, torch.float16 if has_fp16 else torch.float32)
 
     def _explain_no_fused_step(self, asked: str, optimizer_reason: str | None, store_reason: str | None) -> None:
         """One line for an inner optimizer built with fused=True or foreach=True whose
@@ -608,6 +704,7 @@ class FP16Optimizer(torch.optim.Optimizer):
                 step (fp32 gradients are unscaled in place, so they cannot be
                 unscaled again; so does ``step()`` then).
         """
+        self._check_groups()
         if self._unscaled is not None:
             self._refuse_grads_after_unscale()
             return
@@ -641,6 +738,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("FP16Optimizer.step() takes no closure: call backward() then step()")
+        self._check_groups()
         found_inf = self._unscaled
         if found_inf is None:
             self._check_ready()
@@ -854,6 +952,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         tensors and numbers: ``torch.load(path, weights_only=True)`` reads it. A
         sharded model's tensors are DTensors (:mod:`mpfp16.checkpoint` saves them as a
         DCP folder), and its masters are in the model's own state_dict."""
+        self._check_groups()
         return {
             "format": STATE_FORMAT,
             "store": self.store.kind,
@@ -944,6 +1043,43 @@ class FP16Optimizer(torch.optim.Optimizer):
             if missing:
                 raise ValueError(f"the state_dict's param group {i} has no {', '.join(missing)}: it was saved by "
                                  f"another kind of optimizer than this {mine}")
+        self._check_inner_indices(inner)
+
+    def _check_inner_indices(self, inner: dict) -> None:
+        """Raise one line unless the inner state's group indices are a permutation of
+        this optimizer's parameters, group by group, and its per-parameter state is
+        keyed by those indices with tensors of their parameters' shapes. torch's own
+        ``load_state_dict`` maps the saved indices to parameters by position: a
+        duplicated index (one flipped bit) gave a parameter another's state, and a
+        shape error deep inside the next step."""
+        n = len(self._shapes)
+        seen: set[int] = set()
+        for i, (theirs, ours) in enumerate(zip(inner["param_groups"], self.optimizer.param_groups)):
+            indices = theirs.get("params")
+            if not isinstance(indices, list) or not all(type(k) is int for k in indices):
+                raise ValueError(f"the state_dict's param group {i} has no list of parameter indices")
+            if len(indices) != len(ours["params"]):
+                raise ValueError(f"the state_dict's param group {i} holds {len(indices)} parameters and this "
+                                 f"optimizer's {len(ours['params'])}")
+            for k in indices:
+                if not 0 <= k < n or k in seen:
+                    why = "twice" if k in seen else f"outside 0..{n - 1}"
+                    raise ValueError(f"the state_dict's param group {i} lists parameter index {k} {why}: its "
+                                     f"indices must name each of the {n} parameters once")
+                seen.add(k)
+        state = inner.get("state")
+        if not isinstance(state, dict):
+            raise ValueError("the state_dict's inner optimizer state has no per-parameter state")
+        for key, entry in state.items():
+            if type(key) is not int or key not in seen:
+                raise ValueError(f"the state_dict's inner optimizer state is keyed {key!r}, which is not a parameter "
+                                 "index of its groups")
+            if not isinstance(entry, dict):
+                raise ValueError(f"the state_dict's inner optimizer state of parameter {key} is not a dict")
+            for name, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0 and list(value.shape) != self._shapes[key]:
+                    raise ValueError(f"the state_dict's {name} of parameter {key} has shape {list(value.shape)}, and "
+                                     f"the parameter {self._shapes[key]}")
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what :meth:`state_dict` returned (this version's, or an earlier one's).

@@ -463,3 +463,55 @@ def fp32_accumulate_with_unused_search(rank, steps):
         out[find_unused] = flat_params(model)
     mdist.teardown()
     return out
+
+
+# Per-tensor store cases: a ``.half()`` model that torch's DistributedDataParallel holds
+# before the optimizer is built (apex's order), beyond the plain SGD one.
+HALF_UNDER_DDP = {
+    "adamw": dict(inner="adamw"),
+    "no-masters": dict(opt={"master_weights": False}),
+    "stochastic": dict(opt={"master_weights": False, "rounding": "stochastic"}),
+    "kahan": dict(opt={"master_weights": False, "rounding": "kahan"}),
+    "clip": dict(opt={"max_grad_norm": 0.05}),
+    "unscale-clip": dict(unscale_clip=0.05),
+    "bucket-view": dict(ddp={"gradient_as_bucket_view": True}),
+    "static-graph": dict(ddp={"static_graph": True}),
+    "find-unused": dict(ddp={"find_unused_parameters": True}),
+    "round-trip": dict(round_trip=True),
+}
+
+
+def half_model_steps(model, forward, opt, steps, rank, world, unscale_clip=None, round_trip=False):
+    """``steps`` steps of this rank's share of each global batch (the whole batch when
+    ``world`` is 1, each rank's half weighted as DDP averages it)."""
+    for x, y in global_batches(steps):
+        opt.zero_grad()
+        for r in ([rank] if world > 1 else range(2)):
+            loss = nn.functional.cross_entropy(forward(shard(x, r, 2).half()).float(), shard(y, r, 2))
+            opt.backward(loss if world > 1 else loss / 2)
+        if unscale_clip is not None:
+            opt.unscale_()
+            torch.nn.utils.clip_grad_norm_(opt.master_params(), unscale_clip)
+        opt.step()
+        if round_trip:
+            opt.load_state_dict(opt.state_dict())
+
+
+def half_optimizer(params, inner="sgd", opt=None):
+    inner_opt = (torch.optim.AdamW(params, lr=1e-2) if inner == "adamw"
+                 else torch.optim.SGD(params, lr=0.05, momentum=0.9))
+    return mpfp16.FP16Optimizer(inner_opt, loss_scale=1024.0, **(opt or {}))
+
+
+def half_model_under_torch_ddp(rank, name, steps):
+    """One case of HALF_UNDER_DDP on this rank: the store chosen, the final weights."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    case = HALF_UNDER_DDP[name]
+    info = mdist.init(timeout_s=60)
+    model = mlp().half()
+    ddp = DDP(model, **case.get("ddp", {}))
+    opt = half_optimizer(ddp.parameters(), case.get("inner", "sgd"), case.get("opt"))
+    half_model_steps(model, ddp, opt, steps, rank, info.world_size, case.get("unscale_clip"),
+                     case.get("round_trip", False))
+    return {"store": opt.store.kind, "params": flat_params(model)}

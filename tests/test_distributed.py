@@ -402,3 +402,47 @@ def test_fp32_accumulate_with_find_unused_parameters(group):
     the process ("collective mismatch") in 4 runs out of 5."""
     r0, r1 = group("unused")
     assert torch.equal(r0[True], r1[True]) and torch.equal(r0[True], r0[False])
+
+
+for _name in W.HALF_UNDER_DDP:
+    GROUP.add(("half-under-ddp", _name), W.half_model_under_torch_ddp, _name, 3)
+
+
+@slow
+@pytest.mark.parametrize("name", list(W.HALF_UNDER_DDP))
+def test_a_half_model_that_torch_ddp_holds_steps_as_one_process_on_the_whole_batch(group, name):
+    """apex's order with a ``.half()`` model (its parameters can no longer move, so the
+    per-tensor store), under each mode and DDP option: bit for bit the one-process run
+    on the whole batch (a flat store: the same numerics), and the replicas agree."""
+    case = W.HALF_UNDER_DDP[name]
+    r0, r1 = group(("half-under-ddp", name))
+    assert r0["store"] == r1["store"] == "per-tensor"
+    model = mpfp16.to_half(W.mlp())
+    opt = W.half_optimizer(model.parameters(), case.get("inner", "sgd"), case.get("opt"))
+    W.half_model_steps(model, model, opt, 3, 0, 1, case.get("unscale_clip"), case.get("round_trip", False))
+    assert torch.equal(r0["params"], r1["params"])
+    assert torch.equal(r0["params"], W.flat_params(model))
+
+
+@pytest.mark.parametrize("convert", ["half", "float64"])
+def test_a_model_converted_after_wrap_is_refused_at_its_next_forward(monkeypatch, convert):
+    """``ddp.half()`` after ``wrap()``: torch gives each parameter a new gradient
+    accumulator, DDP's hooks stay on the old ones, and the gradients went unaveraged in
+    silence (plain torch DDP does the same; docs/RESILIENCE.md)."""
+    from dist_helpers import free_port
+
+    for name, value in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    try:
+        mdist.init(device="cpu", timeout_s=30)
+        ddp = mdist.wrap(mpfp16.flatten_parameters(W.mlp()))
+        ddp(torch.randn(2, 8)).sum().backward()  # as wrapped: fine
+        dtype = {"half": torch.float16, "float64": torch.float64}[convert]
+        ddp.to(dtype)
+        with pytest.raises(RuntimeError, match=r"^parameter 0.weight was float32 on cpu when the model was wrapped in "
+                                               r"DDP and is (float16|float64) on cpu now \(.half\(\) or .to\(\) after "
+                                               r"wrapping\): torch gave it a new gradient accumulator"):
+            ddp(torch.randn(2, 8, dtype=dtype))
+    finally:
+        mdist.teardown()

@@ -262,7 +262,7 @@ def test_memory_bytes_per_param():
         torch.manual_seed(0)
         model = mpfp16.to_half(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 16)), dtype)  # no alignment gaps
         opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   loss_scale=8.0, master_weights=master_weights)
+                                   loss_scale=8.0 if dtype == torch.float16 else None, master_weights=master_weights)
         x = torch.randn(4, 32)
         opt.zero_grad()
         opt.backward(model(x).float().mean())
@@ -618,3 +618,115 @@ def test_the_state_of_another_kind_of_inner_optimizer_is_refused(saved_kind, her
         with pytest.raises(ValueError, match=r"^the state_dict's param group 0 has no .*: it was saved by another"):
             here.load_state_dict(state)
     assert not here.state and here.iteration == 0
+
+
+def _changes_groups(how: str, inner: torch.optim.Optimizer, extra: nn.Module) -> None:
+    """Each way the inner optimizer's groups can change under the wrapper."""
+    if how == "add_param_group":  # torch's fine-tuning idiom, through the inner optimizer
+        inner.add_param_group({"params": extra.parameters(), "lr": 0.01})
+    elif how == "params_appended":
+        inner.param_groups[0]["params"].append(extra.weight)
+    elif how == "group_removed":
+        inner.param_groups.pop()
+    elif how == "inner_load_state_dict":  # loads neither masters nor scaler; new group list
+        inner.load_state_dict(inner.state_dict())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("how", ["add_param_group", "params_appended", "group_removed", "inner_load_state_dict"])
+def test_groups_changed_through_the_inner_optimizer_are_refused_before_anything_moves(how, fused):
+    """``inner.add_param_group`` after wrapping stepped the new 16-bit weights with the
+    scaled gradient (128x too far) unfused, and never fused, in silence."""
+    torch.manual_seed(0)
+    a, b = mpfp16.to_half(nn.Linear(8, 8)), mpfp16.to_half(nn.Linear(8, 4))
+    groups = [{"params": a.parameters()}, {"params": [nn.Parameter(torch.zeros(3))], "lr": 0.0}]
+    inner = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    opt = mpfp16.FP16Optimizer(inner, loss_scale=128.0, fused=fused)
+    _changes_groups(how, inner, b)
+    before = [p.detach().clone() for p in [*a.parameters(), *b.parameters()]]
+    opt.zero_grad()
+    opt.backward(b(a(torch.randn(4, 8))).float().pow(2).sum())
+    for call in (opt.step, opt.unscale_, opt.state_dict):
+        with pytest.raises(RuntimeError, match=r"^the inner optimizer's param.groups (changed|were replaced) after "
+                                               r"FP16Optimizer wrapped it") as info:
+            call()
+        assert "\n" not in str(info.value)
+    assert all(torch.equal(x, y) for x, y in zip(before, [*a.parameters(), *b.parameters()]))
+    assert not opt.state and opt.iteration == 0
+
+
+def test_groups_reloaded_through_the_wrapper_and_lr_changes_are_not_group_changes():
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=64.0)
+    train_mpfp16(model, opt, batches(2))
+    opt.load_state_dict(opt.state_dict())  # the inner optimizer makes new groups: the wrapper shares them
+    opt.param_groups[0]["lr"] = 0.01  # what a scheduler does
+    assert all(train_mpfp16(model, opt, batches(2)))
+
+
+@pytest.mark.parametrize("options,words", [
+    (dict(max_grad_norm="1.0"), r"^max_grad_norm='1.0' must be a number or None, not str$"),
+    (dict(max_grad_norm=True), r"^max_grad_norm=True must be a number or None, not bool$"),
+    (dict(master_weights=None), r"^master_weights=None must be True, False or 'remainder', not NoneType$"),
+    (dict(fused="yes"), r"^fused='yes' must be True, False or None, not str$"),
+    (dict(reduce_overflow=0), r"^reduce_overflow=0 must be True or False, not int$"),
+    (dict(track_grad_norm="no"), r"^track_grad_norm='no' must be True or False, not str$"),
+    (dict(rounding_seed=1.5), r"^rounding_seed=1.5 must be an int, not float$"),
+    (dict(model=[1]), r"^model= must be the torch.nn.Module the parameters belong to, not list$"),
+])
+def test_options_of_the_wrong_type_are_refused_in_one_line(options, words):
+    """``max_grad_norm="1.0"`` failed inside a comparison with a TypeError of its own,
+    and ``max_grad_norm=True`` was taken as 1.0."""
+    model = mpfp16.to_half(tiny_mlp(0))
+    with pytest.raises(TypeError, match=words):
+        mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), **options)
+    assert mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1).max_grad_norm == 1
+
+
+@pytest.mark.parametrize("loss_scale", [128.0, mpfp16.DynamicLossScaler()], ids=["static", "dynamic-scaler"])
+def test_a_loss_scale_over_a_bf16_model_is_refused_as_the_scripts_refuse_it(loss_scale):
+    """The scripts refuse ``--loss-scale`` with ``--precision bf16``; the library took
+    ``loss_scale=128.`` over bf16 in silence."""
+    bf16 = mpfp16.to_half(tiny_mlp(0), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^loss_scale=.* over a model that computes in bfloat16: bf16 has fp32's "
+                                         r"exponent range, so its gradients need no loss scaling; pass "
+                                         r"loss_scale=None"):
+        mpfp16.FP16Optimizer(torch.optim.SGD(bf16.parameters(), lr=0.1), loss_scale=loss_scale)
+    for fine in ("dynamic", None, 1.0):
+        assert mpfp16.FP16Optimizer(torch.optim.SGD(bf16.parameters(), lr=0.1), loss_scale=fine).loss_scale == 1.0
+    fp32 = tiny_mlp(0)  # may compute in fp16 under torch.autocast: a static scale is the user's to choose
+    assert mpfp16.FP16Optimizer(torch.optim.SGD(fp32.parameters(), lr=0.1), loss_scale=128.0).loss_scale == 128.0
+
+
+def _damage_indices(state: dict, how: str) -> None:
+    inner = state["optimizer"]
+    if how == "duplicated":  # one flipped bit in the pickle: 3 -> 2
+        inner["param_groups"][0]["params"][3] = inner["param_groups"][0]["params"][2]
+    elif how == "out-of-range":
+        inner["param_groups"][0]["params"][0] = 99
+    elif how == "fewer":
+        inner["param_groups"][0]["params"].pop()
+    elif how == "state-key":
+        inner["state"][42] = inner["state"].pop(0)
+    elif how == "state-shape":
+        inner["state"][0]["momentum_buffer"] = inner["state"][0]["momentum_buffer"].flatten()[:3]
+
+
+@pytest.mark.parametrize("how,words", [
+    ("duplicated", r"param group 0 lists parameter index 2 twice: its indices must name each of the \d+ parameters "
+                   r"once"),
+    ("out-of-range", r"param group 0 lists parameter index 99 outside 0..\d+"),
+    ("fewer", r"param group 0 holds \d+ parameters and this optimizer's \d+"),
+    ("state-key", r"inner optimizer state is keyed 42, which is not a parameter index of its groups"),
+    ("state-shape", r"momentum_buffer of parameter 0 has shape \[3\], and the parameter \[16, 8\]"),
+])
+def test_inner_state_indices_must_be_a_permutation_of_the_parameters(how, words):
+    """A duplicated index crashed inside torch's SGD with a shape traceback at the next
+    step; now refused at load, before anything changes."""
+    state = _trained_state()
+    _damage_indices(state, how)
+    model = mpfp16.to_half(tiny_mlp(1))
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss_scale=None)
+    with pytest.raises(ValueError, match=f"^the state_dict's .*{words}") as info:
+        opt.load_state_dict(state)
+    assert "\n" not in str(info.value) and not opt.state and opt.iteration == 0

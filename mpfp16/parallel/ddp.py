@@ -200,29 +200,40 @@ def _hook(ddp: DistributedDataParallel, model: torch.nn.Module, *, strategy: str
                                           rebuilds=rebuilds)
     ddp.register_comm_hook(state, HOOKS[strategy])
     ddp.register_forward_pre_hook(lambda module, args: state.new_round())
-    if any(not p.requires_grad for p in model.parameters()):
-        ddp.register_forward_pre_hook(_FrozenWhenWrapped(model))
+    ddp.register_forward_pre_hook(_ChangedSinceWrapped(model))
     register(ddp, Handle("ddp", stats=state.stats, group=process_group, hook_state=state))
     close_at_teardown(state)
     return ddp
 
 
-class _FrozenWhenWrapped:
-    """A forward pre-hook that refuses, in one line, a parameter that requires grad now
-    but did not when DDP was built: DDP fixes the parameters it averages at
-    construction, so that parameter's gradient would stay each rank's own and the
-    replicas would silently diverge (unfreezing a layer under DDP, as fine-tuning does)."""
+class _ChangedSinceWrapped:
+    """A forward pre-hook that refuses, in one line, a parameter that DDP no longer
+    averages since it was built, so that the replicas would silently diverge:
+
+    - one that requires grad now but did not when DDP was built: DDP fixes the
+      parameters it averages at construction (unfreezing a layer under DDP, as
+      fine-tuning does);
+    - one converted to another dtype or device since (``ddp.half()``, ``.to()``):
+      torch gives a parameter whose data changes type a new gradient accumulator,
+      and DDP's hooks stay on the old one (plain torch DDP trains on unaveraged
+      gradients in silence)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+        self.params = [(name, p, p.requires_grad, p.dtype, p.device) for name, p in model.named_parameters()]
 
     def __call__(self, module, args) -> None:
-        for name, p in self.frozen:
-            if p.requires_grad:
+        for name, p, trainable, dtype, device in self.params:
+            if p.requires_grad and not trainable:
                 raise RuntimeError(f"parameter {name} was frozen when the model was wrapped in DDP and requires grad "
                                    "now: DDP never averages its gradient, so the replicas would diverge; wrap the "
                                    "model after unfreezing it (or wrap it with every layer trainable and "
                                    "find_unused_parameters=True)")
+            if p.dtype != dtype or p.device != device:
+                raise RuntimeError(f"parameter {name} was {str(dtype).replace('torch.', '')} on {device} when the "
+                                   f"model was wrapped in DDP and is {str(p.dtype).replace('torch.', '')} on "
+                                   f"{p.device} now (.half() or .to() after wrapping): torch gave it a new gradient "
+                                   "accumulator, so DDP no longer averages its gradient and the replicas would "
+                                   "diverge; convert the model (mpfp16.to_half) first, then wrap it")
 
 
 def _powersgd_memory(model: torch.nn.Module, ddp: DistributedDataParallel, process_group, rank: int,

@@ -124,6 +124,9 @@ class ParamStore:
             reduced (None: the optimizer's ``process_group``).
         has_fp16: whether any computation is in fp16 (``loss_scale="dynamic"``
             scales only then).
+        compute_dtype: the 16-bit dtype the model computes in: float16 where any
+            parameter is fp16, else bfloat16 where any is, else float32 (a sharded
+            model's: FSDP2's ``param_dtype``).
         device: where the optimizer's small tensors (its rounding generator) live.
     """
 
@@ -136,6 +139,7 @@ class ParamStore:
         self.params: list[torch.Tensor] = []
         self.stepped: list[torch.Tensor] = []
         self.has_fp16 = False
+        self.compute_dtype = torch.float32
         self.device = torch.device("cpu")
 
     # ---------------------------------------------------------------- what it refuses

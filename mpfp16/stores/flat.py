@@ -453,6 +453,8 @@ class FlatStore(ParamStore, SumOwner):
         to_master = {id(p): m for g in groups for p, m in zip(g.params, g.master_views)}
         self.stepped = [to_master[id(p)] for p in params]
         self.has_fp16 = any(p.dtype == torch.float16 for p in params)
+        self.compute_dtype = next((d for d in (torch.float16, torch.bfloat16) if any(p.dtype == d for p in params)),
+                                  torch.float32)
         self.has_half = any(g.half for g in groups)
         self.device = groups[0].device
         self._fused = None
