@@ -1,17 +1,25 @@
 """The C++ kernels of the fused step on CPU (mpfp16/stores/native.cpp): Adam/AdamW bit
 for bit against torch's own sequence of eager operations, in every mode, dtype and
-size; the overflow check; the build, its cache, and a build that fails."""
+size; the overflow check; the build, its cache, a damaged cache, $CXX, and a build or a
+load that fails."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import json
 import logging
+import os
+import shlex
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
 import mpfp16
+from mpfp16.errors import one_line
 from mpfp16.stores import native
 from reference import adam_by_hand, batches, exact_sqrt, make_inner, tiny_mlp, train_mpfp16, train_reference
 
@@ -176,14 +184,15 @@ def test_the_library_is_built_once_and_then_loaded_from_disk(tmp_path, monkeypat
 
 @pytest.mark.parametrize("compiler,error", [
     ("no-such-compiler", "FileNotFoundError: no C++ compiler: 'no-such-compiler' is not on PATH (set CXX)"),
-    ("false", "OSError: building the fused step's C++ kernels failed: false exited with status 1"),
-])
+    ("false", "OSError: building the fused step's C++ kernels in {folder} failed: false exited with status 1"),
+], ids=["no-compiler", "compiler-fails"])
 def test_a_build_that_fails_is_a_compile_error_of_the_fused_step(tmp_path, monkeypatch, caplog, compiler, error):
     """Under fused=True, one line naming the rank and the reason, with nothing written;
     under auto, the unfused step with one warning, and torch's numbers."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", compiler)
     monkeypatch.setattr(native, "_LIBRARY", None)
+    error = error.format(folder=tmp_path / "mpfp16")
     monkeypatch.setattr(mpfp16.optimizer, "FUSED_MIN_NUMEL", 0)
     model = mpfp16.to_half(tiny_mlp(0))
     before = [p.detach().clone() for p in model.parameters()]
@@ -205,6 +214,231 @@ def test_a_build_that_fails_is_a_compile_error_of_the_fused_step(tmp_path, monke
     train_reference(ref_model, "adamw", data, scale=64.0)
     assert not opt.fused
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+# The damaged caches, the $CXX and the failed builds below take a stand-in compiler: a
+# shell script that copies a real build of native.cpp (the default cache's, built once per
+# machine and shared with the tests above) to its output, or writes what a case needs, in
+# milliseconds where a build takes seconds. What the library does with the cache is real.
+
+
+@pytest.fixture(scope="module")
+def real_library() -> Path:
+    """A whole build of native.cpp, from the default cache (built there if it is not)."""
+    return Path(native.build()._name)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """The ``mpfp16`` folder of an inductor cache of this test's own (not yet created),
+    with no library loaded in this process yet, as in a new run."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(native, "_LIBRARY", None)
+    return tmp_path / "inductor" / "mpfp16"
+
+
+def _fake_compiler(folder: Path, *, copies: Path | None = None, writes: str = "", prints: str = "",
+                   status: int = 0) -> Path:
+    """A stand-in for ``$CXX`` at ``folder/fake-c++``: it records its arguments, one a line,
+    in ``folder/argv``, copies ``copies`` (or writes ``writes``) to the file after ``-o``,
+    prints ``prints`` on stderr (``$out`` there is that file) and exits with ``status``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "fake-c++"
+    output = f'cp "{copies}" "$out"' if copies else f"printf '%s' '{writes}' > \"$out\"" if writes else ""
+    script.write_text(f"""#!/bin/sh
+printf '%s\\n' "$@" > "$(dirname "$0")/argv"
+out=
+while [ $# -gt 0 ]; do if [ "$1" = -o ]; then out=$2; fi; shift; done
+{output}
+cat >&2 <<EOF
+{prints}
+EOF
+exit {status}
+""")
+    script.chmod(0o755)
+    return script
+
+
+def _manifest(cache: Path) -> tuple[Path, dict]:
+    (path,) = cache.glob("native-*.json")
+    return path, json.loads(path.read_text())
+
+
+def _steps(library: ctypes.CDLL) -> bool:
+    """Whether ``library`` runs native.cpp's kernels: it finds a NaN in a gradient."""
+    grad = torch.zeros(100, dtype=torch.float16)
+    grad[37] = float("nan")
+    return native.nonfinite(grad, 1.0, library) and not native.nonfinite(grad[:37], 1.0, library)
+
+
+@pytest.fixture(scope="module")
+def foreign_library(tmp_path_factory) -> Path:
+    """A valid shared object without native.cpp's symbols."""
+    path = tmp_path_factory.mktemp("foreign") / "libforeign.so"
+    subprocess.run([*shlex.split(os.environ.get("CXX", "c++")), "-shared", "-fPIC", "-x", "c++", "-", "-o", str(path)],
+                   input='extern "C" int other(void) { return 1; }\n', text=True, check=True)
+    return path
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Put ``data`` at ``path`` as a new file: this process mapped the whole library there
+    and keeps it mapped (truncating that file would be this test's own SIGBUS)."""
+    partial = path.with_name("replacement")
+    partial.write_bytes(data)
+    os.replace(partial, path)
+
+
+@pytest.fixture
+def mapped(monkeypatch, real_library) -> list[Path]:
+    """Every library ctypes maps in the test; one that is not a whole build of
+    native.cpp fails the test before the loader reads it."""
+    whole = real_library.read_bytes()
+    seen, cdll = [], ctypes.CDLL
+
+    def checked(name, *args, **kwargs):
+        seen.append(Path(name))
+        assert Path(name).read_bytes() == whole, f"mapped {name}, which is not a whole build"
+        return cdll(name, *args, **kwargs)
+
+    monkeypatch.setattr(ctypes, "CDLL", checked)
+    return seen
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign", "same-size", "no-manifest", "cut-manifest"])
+def test_a_damaged_library_in_the_cache_is_rebuilt_before_it_is_mapped(cache, monkeypatch, caplog, real_library,
+                                                                      foreign_library, mapped, damage):
+    """A library cut to 30,000 bytes (its ELF header whole: mapped, it killed the run with
+    SIGBUS), another shared object in its place (its symbols missing: a traceback), one
+    flipped byte, a manifest missing or cut short: the next run rebuilds it, says so in one
+    INFO line naming the file, and steps with the new build; nothing damaged is mapped."""
+    monkeypatch.setenv("CXX", str(_fake_compiler(cache.parent.parent / "bin", copies=real_library)))
+    native.load()
+    (library,) = cache.glob("native-*.so")
+    size = real_library.stat().st_size
+    if damage == "truncated":
+        _replace(library, real_library.read_bytes()[:30000])
+        why = f"{library} is 30000 bytes, not the {size} it was built with"
+    elif damage == "foreign":
+        _replace(library, foreign_library.read_bytes())
+        why = f"{library} is {foreign_library.stat().st_size} bytes, not the {size} it was built with"
+    elif damage == "same-size":
+        data = bytearray(real_library.read_bytes())
+        data[size // 2] ^= 0xFF
+        _replace(library, bytes(data))
+        why = f"{library} does not match the digest it was built with"
+    else:
+        manifest, _ = _manifest(cache)
+        if damage == "no-manifest":
+            manifest.unlink()
+            why = f"{library} has no manifest ({manifest.name}) to check it against"
+        else:
+            manifest.write_text(manifest.read_text()[:20])
+            why = f"its manifest {manifest} is not one that mpfp16 wrote"
+    monkeypatch.setattr(native, "_LIBRARY", None)  # a new run
+    with caplog.at_level(logging.DEBUG, logger="mpfp16"):
+        assert _steps(native.load())
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO] == [
+        ("INFO", f"fused step: rebuilding its C++ kernels: {why}")]
+    assert library.read_bytes() == real_library.read_bytes() and _manifest(cache)[1]["library"] == library.name
+    assert mapped == [library, library]
+    assert sorted(p.name for p in cache.iterdir()) == sorted([library.name, _manifest(cache)[0].name])
+
+
+def test_a_library_that_does_not_load_is_one_oserror_naming_it(cache, monkeypatch, foreign_library):
+    """Another shared object in the cache with a manifest that vouches for it (its
+    digest is right, so rebuilding would give no other): one line, naming the file,
+    where a missing symbol was a traceback."""
+    monkeypatch.setenv("CXX", str(_fake_compiler(cache.parent.parent / "bin", copies=foreign_library)))
+    with pytest.raises(OSError) as raised:
+        native.load()
+    (library,) = cache.glob("native-*.so")
+    assert one_line(raised.value) == (f"loading the fused step's C++ kernels failed: {library}: undefined symbol: "
+                                      "mpfp16_adam (built just now)")
+    with pytest.raises(OSError) as raised:
+        native.load()  # the next run loads it from the cache, and says which file to delete
+    assert one_line(raised.value) == (f"loading the fused step's C++ kernels failed: {library}: undefined symbol: "
+                                      "mpfp16_adam (delete the file to rebuild it)")
+
+
+def test_a_library_that_does_not_load_is_said_once_in_each_run(cache, monkeypatch, caplog):
+    """The unfused step, and each run's one warning naming the file: a later run does
+    not stay on the slower step without a word."""
+    monkeypatch.setenv("CXX", str(_fake_compiler(cache.parent.parent / "bin", writes="not a library\n" * 8)))
+    monkeypatch.setattr(mpfp16.optimizer, "FUSED_MIN_NUMEL", 0)
+    said = []
+    for run in range(2):
+        monkeypatch.setattr(native, "_LIBRARY", None)
+        model = mpfp16.to_half(tiny_mlp(0))
+        opt = mpfp16.FP16Optimizer(make_inner("adamw", model.parameters()), loss_scale=64.0)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mpfp16"):
+            train_mpfp16(model, opt, batches(2))
+        assert not opt.fused
+        said += [r.getMessage() for r in caplog.records]
+    (library,) = cache.glob("native-*.so")
+    assert said == [f"fused optimizer step unavailable: compiling failed on rank 0 (OSError: loading the fused "
+                    f"step's C++ kernels failed: {library}: invalid ELF header ({when})); every rank uses the "
+                    f"unfused step" for when in ("built just now", "delete the file to rebuild it")]
+
+
+def test_cxx_is_split_as_a_shell_splits_it(cache, monkeypatch, real_library):
+    """``ccache g++``, ``g++ -O2``, a quoted path with a space: the program, then its
+    arguments before the project's flags; the whole command is in the cache key."""
+    compiler = _fake_compiler(cache.parent.parent / "bin dir", copies=real_library)
+    monkeypatch.setenv("CXX", f"{shlex.quote(str(compiler))} -DFROM_CXX=1")
+    assert _steps(native.load())
+    argv = (compiler.parent / "argv").read_text().splitlines()
+    assert argv[:2] == ["-DFROM_CXX=1", "-O3"]
+    monkeypatch.setenv("CXX", shlex.quote(str(compiler)))
+    assert _steps(native.build())
+    assert (compiler.parent / "argv").read_text().splitlines()[0] == "-O3"
+    assert len(list(cache.glob("native-*.json"))) == 2  # two commands, two keys
+
+
+@pytest.mark.parametrize("cxx,error", [
+    ("'c++", "OSError: CXX=\"'c++\" does not parse as a command line: No closing quotation"),
+    ("  ", "FileNotFoundError: no C++ compiler: CXX='  ' names none (unset it for c++)"),
+], ids=["unclosed-quote", "blank"])
+def test_a_cxx_that_names_no_command_is_refused_in_one_line(cache, monkeypatch, cxx, error):
+    monkeypatch.setenv("CXX", cxx)
+    with pytest.raises(OSError) as raised:
+        native.load()
+    assert f"{type(raised.value).__name__}: {one_line(raised.value)}" == error
+
+
+# What GNU ld printed here into a full tmpfs and a read-only one (mounted for the trial;
+# a test cannot mount, and root writes through chmod), and what a user without write
+# permission gets; then its summary line, which was all the error said.
+LD_REFUSALS = {
+    "full": "/usr/bin/ld: final link failed: No space left on device",
+    "read-only": "/usr/bin/ld: cannot open output file $out: Read-only file system",
+    "not-writable": "/usr/bin/ld: cannot open output file $out: Permission denied",
+}
+
+
+@pytest.mark.parametrize("refusal", list(LD_REFUSALS))
+def test_a_build_the_file_system_refuses_says_why_and_where(cache, monkeypatch, refusal):
+    compiler = _fake_compiler(cache.parent.parent / "bin", status=1, prints=(
+        f"{LD_REFUSALS[refusal]}\ncollect2: error: ld returned 1 exit status"))
+    monkeypatch.setenv("CXX", str(compiler))
+    with pytest.raises(OSError) as raised:
+        native.load()
+    out = (compiler.parent / "argv").read_text().splitlines()[-1]
+    assert one_line(raised.value) == (f"building the fused step's C++ kernels in {cache} failed: fake-c++ exited "
+                                      f"with status 1: {LD_REFUSALS[refusal].replace('$out', out)}")
+    assert not any(cache.iterdir())  # nothing left behind
+
+
+def test_a_cache_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch):
+    """Where the folder cannot be made (here a file stands where a folder must be), the
+    line names it: the reason alone ("Not a directory") named no path."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a-file" / "inductor"))
+    monkeypatch.setattr(native, "_LIBRARY", None)
+    with pytest.raises(OSError) as raised:
+        native.load()
+    assert one_line(raised.value) == (f"the fused step's C++ kernels cannot be cached in "
+                                      f"{tmp_path / 'a-file' / 'inductor' / 'mpfp16'}: Not a directory")
 
 
 @pytest.mark.parametrize("precision", [torch.float16, torch.bfloat16])

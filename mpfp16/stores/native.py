@@ -5,14 +5,30 @@ arithmetic with more instructions per element; these run about level with torch'
 fused AdamW (docs/BENCHMARKS.md, issue 29).
 
 The library is built at first use, as inductor builds its kernels: with the C++
-compiler ``$CXX`` (else ``c++``), torch's headers, the vector ISA torch's own CPU
-kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``), and OpenMP, which
-resolves to the runtime torch already loaded. It is kept under inductor's cache
-directory (``$TORCHINDUCTOR_CACHE_DIR``, else ``<tmp>/torchinductor_<user>``), keyed by
-the source, the flags, the compiler and the torch version, so a later run only loads
-it. A build that fails raises ``OSError`` (a ``FileNotFoundError`` without a compiler),
-one line that says why, which the fused step's compile agreement across ranks handles
-as it handles an inductor compile that fails.
+compiler ``$CXX`` (else ``c++``; split as a shell splits it, so ``ccache g++`` or
+``g++ -O2`` run that program with those arguments before the project's flags), torch's
+headers, the vector ISA torch's own CPU kernels dispatch to
+(``torch.backends.cpu.get_cpu_capability()``), and OpenMP, which resolves to the runtime
+torch already loaded. It is kept under inductor's cache directory
+(``$TORCHINDUCTOR_CACHE_DIR``, else ``<tmp>/torchinductor_<user>``), in the folder
+``mpfp16``, keyed by the source, the whole compiler command, the torch version and the
+Python ABI, so a later run only loads it: ``native-<key>.json`` records the size and
+SHA-256 of the library it names, ``native-<key>-<digest>.so``. Both are written under
+temporary names and renamed into place, the library first, and the library is named by
+its digest, so ranks that build at once (on one node or on many that share the folder)
+never find a manifest whose library is not whole.
+
+A cached library is checked against its manifest before it is mapped (ctypes maps a
+truncated library whose ELF header survived, and the process dies of SIGBUS when it
+reaches past the end of the file); one that is damaged (another size or digest, another
+shared object in its place, its manifest missing or unreadable) is rebuilt, with one
+INFO line on the ``mpfp16`` logger naming the file and what is wrong. One that matches
+its manifest and still does not load is not rebuilt: the same command would build the
+same bytes. A build that fails, or a library that does not load, raises ``OSError`` (a
+``FileNotFoundError`` without a compiler), one line that says why and names the cache
+folder or the file, which the fused step's compile agreement across ranks handles as it
+handles an inductor compile that fails: under ``fused=None`` each run says so in its one
+warning.
 
 Used for Adam and AdamW on AVX2 and AVX-512 CPUs under Linux with round-to-nearest
 weights (:func:`handles`); SGD, stochastic and Kahan rounding, remainders, other CPUs
@@ -21,19 +37,24 @@ and systems, and CUDA keep the inductor kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import functools
 import getpass
 import hashlib
+import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -58,6 +79,12 @@ ISA_FLAGS = {
                "-mavx512bw", "-mfma", "-mf16c"],
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
+
+# What a build's output says when the file system refused a write (the cache folder
+# full, over quota, read-only, or not the user's): the line that says so is the cause, not
+# the linker's summary after it ("collect2: error: ld returned 1 exit status").
+REFUSED_WRITES = tuple(os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                                                       errno.EPERM, errno.EFBIG, errno.EIO))
 
 _LIBRARY: ctypes.CDLL | None = None
 BUILD_S = 0.0  # seconds this process has spent building libraries (the test suite's rules leave them aside)
@@ -84,9 +111,22 @@ def isa() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def _compiler() -> list[str]:
+    """``$CXX`` (else ``c++``) split as a shell splits it: the program and the arguments
+    it takes before the project's flags (``ccache g++``, ``g++ -O2``, a quoted path)."""
+    text = os.environ.get("CXX", "c++")
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:  # an unclosed quote or a trailing escape
+        raise OSError(f"CXX={text!r} does not parse as a command line: {exc}") from None
+    if not words:
+        raise FileNotFoundError(f"no C++ compiler: CXX={text!r} names none (unset it for c++)")
+    return words
+
+
 def _command(source: Path, output: Path, isa_name: str, defines: dict) -> list[str]:
     include = Path(torch.__file__).parent / "include"
-    return [os.environ.get("CXX", "c++"), "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
+    return [*_compiler(), "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
             *ISA_FLAGS[isa_name], *(f"-D{k}={v}" for k, v in sorted(defines.items())), f"-I{include}",
             str(source), "-o", str(output)]
 
@@ -103,51 +143,143 @@ def _cache_dir() -> Path:
     return Path(root) / "mpfp16"
 
 
-def _build(command: list[str], path: Path) -> None:
-    """Run the compile ``command`` into ``path``, through a temporary name, so that
-    ranks that build at once never load a half-written library."""
+def _key(command: list[str]) -> str:
+    """The cache key of a build: the source, the whole compile command but its input and
+    output (every word of ``$CXX`` among them), the torch version and the Python ABI."""
+    return hashlib.sha256(b"\0".join([SOURCE.read_bytes(), "\0".join(command[:-3]).encode(),
+                                      torch.__version__.encode(),
+                                      sysconfig.get_config_var("SOABI").encode()])).hexdigest()[:20]
+
+
+def _cause(output: str) -> str:
+    """The line of a failed build's ``output`` that says why: the last that names a
+    write the file system refused (:data:`REFUSED_WRITES`; ld then sums it up as "ld
+    returned 1 exit status"), else :func:`last_error_line`'s."""
+    refused = [line.strip() for line in output.splitlines() if any(words in line for words in REFUSED_WRITES)]
+    return refused[-1] if refused else last_error_line(output)
+
+
+def _cached(folder: Path, key: str) -> tuple[Path | None, str | None]:
+    """The library cached under ``key``, checked against its manifest before anything
+    maps it: ``(path, None)`` when it matches, ``(None, what is wrong)`` when a cached
+    file is damaged, ``(None, None)`` when none was built."""
+    manifest = folder / f"native-{key}.json"
+    try:
+        record = json.loads(manifest.read_text())
+        name, size, digest = record["library"], record["bytes"], record["sha256"]
+        # a library of this key in this folder, named by its digest
+        valid = (isinstance(name, str) and isinstance(size, int) and isinstance(digest, str)
+                 and re.fullmatch(rf"native-{key}-{re.escape(digest[:16])}\.so", name) is not None)
+    except (FileNotFoundError, NotADirectoryError):
+        stray = sorted(folder.glob(f"native-{key}-*.so")) if folder.is_dir() else []
+        return None, (f"{stray[0]} has no manifest ({manifest.name}) to check it against" if stray else None)
+    except OSError as exc:
+        return None, f"its manifest {manifest} cannot be read ({exc.strerror or exc})"
+    except (ValueError, KeyError, TypeError):  # not JSON, not UTF-8, or not the record build() writes
+        valid = False
+    if not valid:
+        return None, f"its manifest {manifest} is not one that mpfp16 wrote"
+    path = folder / name
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, f"{path}, which {manifest.name} names, is missing"
+    except OSError as exc:
+        return None, f"{path} cannot be read ({exc.strerror or exc})"
+    if len(data) != size:
+        return None, f"{path} is {len(data)} bytes, not the {size} it was built with"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return None, f"{path} does not match the digest it was built with"
+    return path, None
+
+
+def _build(command: list[str], folder: Path, key: str) -> Path:
+    """Run the compile ``command`` into ``folder`` and record the library in its
+    manifest (:func:`_cached`); return the library's path. Both files are written under
+    names of this process's own and renamed into place, the library first."""
     if shutil.which(command[0]) is None:
         raise FileNotFoundError(f"no C++ compiler: {command[0]!r} is not on PATH (set CXX)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial{path.suffix}")
-    command = [*command[:-1], str(partial)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # the reason alone would name no path (errors.one_line)
+        raise OSError(f"the fused step's C++ kernels cannot be cached in {folder}: {exc.strerror or exc}") from None
+    # pids repeat across the nodes that may share the folder
+    token = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    partial = folder / f"native-{key}.{token}.partial.so"
+    partial_manifest = folder / f"native-{key}.{token}.partial.json"
+    compiler = Path(command[0]).name
+    try:
+        try:
+            done = subprocess.run([*command[:-1], str(partial)], capture_output=True, text=True, errors="replace")
+        except OSError as exc:  # found on PATH, yet not a program this system runs
+            raise OSError(f"building the fused step's C++ kernels failed: {command[0]} cannot be run "
+                          f"({exc.strerror or exc})") from None
+        if done.returncode != 0 or not partial.is_file():
             output = (done.stderr + done.stdout).strip()
-            raise OSError(f"building the fused step's C++ kernels failed: {Path(command[0]).name} exited with "
-                          f"status {done.returncode}" + (f": {last_error_line(output)}" if output else ""))
-        os.replace(partial, path)
+            said = ", and wrote no library" if done.returncode == 0 else f": {_cause(output)}" if output else ""
+            raise OSError(f"building the fused step's C++ kernels in {folder} failed: {compiler} exited with "
+                          f"status {done.returncode}{said}")
+        try:
+            data = partial.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+            path = folder / f"native-{key}-{digest[:16]}.so"
+            os.replace(partial, path)
+            partial_manifest.write_text(json.dumps({"library": path.name, "bytes": len(data), "sha256": digest}))
+            os.replace(partial_manifest, folder / f"native-{key}.json")
+        except OSError as exc:
+            raise OSError(f"caching the fused step's C++ kernels in {folder} failed: {exc.strerror or exc}") from None
     finally:
-        partial.unlink(missing_ok=True)
+        for leftover in (partial, partial_manifest):
+            with contextlib.suppress(OSError):  # a read-only folder refuses this too; the error above says why
+                leftover.unlink(missing_ok=True)
+    return path
+
+
+def _open(path: Path, built: bool) -> ctypes.CDLL:
+    """The library at ``path`` loaded, its two functions declared. Whatever fails
+    (dlopen's refusal, a missing symbol) raises ``OSError``, one line naming the file;
+    ``built``: whether this process built it just now."""
+    try:
+        library = ctypes.CDLL(str(path))
+        library.mpfp16_adam.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [
+            ctypes.c_int, ctypes.c_int]
+        library.mpfp16_adam.restype = ctypes.c_int
+        library.mpfp16_nonfinite.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
+                                             ctypes.c_int]
+        library.mpfp16_nonfinite.restype = ctypes.c_int
+    except (OSError, AttributeError) as exc:
+        said = " ".join(str(exc).split()) or type(exc).__name__
+        if str(path) not in said:
+            said = f"{path}: {said}"
+        raise OSError(f"loading the fused step's C++ kernels failed: {said}"
+                      + (" (built just now)" if built else " (delete the file to rebuild it)")) from None
+    return library
 
 
 def build(isa_name: str | None = None, defines: dict | None = None) -> ctypes.CDLL:
     """The library built for ``isa_name`` (default :func:`isa`) with the preprocessor
     ``defines`` (native.cpp's tuning constants; ``mpfp16.bench.kernels`` builds
-    variants), from the cache when it is there (module docstring)."""
+    variants), from the cache when it is there and whole, else built (module
+    docstring)."""
     global BUILD_S
     isa_name, defines = isa_name or isa(), defines or {}
     if isa_name not in ISA_FLAGS:
         raise ValueError(f"native kernels are built for {' or '.join(ISA_FLAGS)}, not {isa_name}")
     command = _command(SOURCE, Path("native.so"), isa_name, defines)
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(command[:-3]).encode(),
-                                     torch.__version__.encode(), sysconfig.get_config_var("SOABI").encode()]))
-    path = _cache_dir() / f"native-{key.hexdigest()[:20]}.so"
-    if not path.exists():
-        logger.debug("fused step: building %s", path.name)
-        started = time.perf_counter()
-        try:
-            _build(command, path)
-        finally:
-            BUILD_S += time.perf_counter() - started
-    library = ctypes.CDLL(str(path))
-    library.mpfp16_adam.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [
-        ctypes.c_int, ctypes.c_int]
-    library.mpfp16_adam.restype = ctypes.c_int
-    library.mpfp16_nonfinite.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
-    library.mpfp16_nonfinite.restype = ctypes.c_int
-    return library
+    folder, key = _cache_dir(), _key(command)
+    path, damaged = _cached(folder, key)
+    if path is not None:
+        return _open(path, built=False)
+    if damaged:
+        logger.info("fused step: rebuilding its C++ kernels: %s", damaged)
+    else:
+        logger.debug("fused step: building native-%s in %s", key, folder)
+    started = time.perf_counter()
+    try:
+        path = _build(command, folder, key)
+    finally:
+        BUILD_S += time.perf_counter() - started
+    return _open(path, built=True)
 
 
 def load() -> ctypes.CDLL:
