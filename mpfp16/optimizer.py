@@ -523,10 +523,6 @@ class FP16Optimizer(torch.optim.Optimizer):
             raise ValueError("the optimizer holds no parameter")
         return params
 
-    @staticmethod
-    def _make_scaler(loss_scale, has_fp16: bool) -> LossScaler:
-        return make_scaler(loss_scale, torch.float16 if has_fp16 else torch.float32)
-
     def _explain_no_fused_step(self, asked: str, optimizer_reason: str | None, store_reason: str | None) -> None:
         """One line for an inner optimizer built with fused=True or foreach=True whose
         step is not mpfp16's fused one: its own step then runs over the fp32 masters."""

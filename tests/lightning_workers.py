@@ -53,10 +53,38 @@ def make_data(batches: int, rank: int = 0, inf_batches: tuple = ()) -> list[tupl
     return out
 
 
-def loader(data):
+class ResumableLoader(torch.utils.data.DataLoader):
+    """A DataLoader that Lightning can resume mid-epoch: its ``state_dict`` is the
+    number of batches of this epoch it has handed out (Lightning saves it in the
+    checkpoint and does not prefetch from a loader with a length), and after
+    ``load_state_dict`` the next epoch's iteration starts past them. With a plain
+    DataLoader a resumed epoch starts again from its first batch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._given = self._skip = 0
+
+    def __iter__(self):
+        skip, self._skip = self._skip, 0
+        self._given = skip
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self._given = i + 1
+                yield batch
+        self._given = 0
+
+    def state_dict(self) -> dict:
+        return {"given": self._given}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._skip = state["given"]
+
+
+def loader(data, resumable: bool = False):
     xs = torch.cat([x for x, _ in data])
     ys = torch.cat([y for _, y in data])
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=BATCH, shuffle=False)
+    cls = ResumableLoader if resumable else torch.utils.data.DataLoader
+    return cls(torch.utils.data.TensorDataset(xs, ys), batch_size=BATCH, shuffle=False)
 
 
 OPTIMIZERS = {
@@ -77,8 +105,9 @@ def optimizer_kwargs(mode: dict) -> dict:
 
 
 def new_scaler(mode: dict):
-    init = mode.get("init_scale")
-    return mpfp16.DynamicLossScaler(init_scale=init) if init is not None else "dynamic"
+    if "init_scale" not in mode:
+        return "dynamic"
+    return mpfp16.DynamicLossScaler(init_scale=mode["init_scale"], growth_interval=mode.get("growth_interval", 2000))
 
 
 def _lightning():
@@ -119,8 +148,10 @@ def lit_module(net, mode):
 
 
 def fit_trainer(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = False, callbacks=(),
-                default_root_dir=None, ckpt_path=None, checkpointing: bool = False, net=None, precision=None):
-    """The Lightning Trainer run: (the LightningModule, the plugin, the trainer)."""
+                default_root_dir=None, ckpt_path=None, checkpointing: bool = False, net=None, precision=None,
+                resumable: bool = False):
+    """The Lightning Trainer run: (the LightningModule, the plugin, the trainer);
+    ``resumable``: the data through :class:`ResumableLoader`."""
     L = _lightning()
     from mpfp16.integrations.lightning import MPFP16Precision
 
@@ -141,7 +172,7 @@ def fit_trainer(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool =
     trainer = L.Trainer(**kwargs)
     environ = dict(os.environ)
     try:
-        trainer.fit(lit, loader(data), ckpt_path=ckpt_path)
+        trainer.fit(lit, loader(data, resumable), ckpt_path=ckpt_path)
     finally:  # Lightning's environment removes WORLD_SIZE at teardown; the worker's next case needs it
         os.environ.update(environ)
     return lit, plugin if plugin is not None else trainer.precision_plugin, trainer
@@ -183,9 +214,21 @@ def own_loop(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: str | Non
     return net, opt, stepped
 
 
-def fit_fabric(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = False):
+def allreduces(fn) -> int:
+    """``fn()``, and the allreduce calls it made (torch's profiler sees each DDP bucket
+    that a stock DistributedDataParallel sends, which no hook of mpfp16 counts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(event.name == "c10d::allreduce_" for event in prof.events())
+
+
+def fit_fabric(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = False, calls: list | None = None):
     """The Fabric loop, as Fabric's docs write it: (the model, the plugin, the Fabric
-    optimizer, what each step returned)."""
+    optimizer, what each step returned). The allreduce calls of each optimizer step's
+    forward and backward passes (not its step, whose overflow flag is one more) are
+    appended to ``calls``."""
     L = _lightning()
     from mpfp16.integrations.lightning import MPFP16FabricPrecision
 
@@ -199,14 +242,25 @@ def fit_fabric(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = 
     model, optimizer = fabric.setup(net, optimizer)
     accum = mode.get("accum", 1)
     stepped = []
+    sent = 0
     for _ in range(epochs):
         for i, (x, y) in enumerate(data):
             if i % accum == 0:
                 optimizer.zero_grad()
             last = (i + 1) % accum == 0
-            with fabric.no_backward_sync(model, enabled=not last):
-                fabric.backward(F.cross_entropy(model(x), y) / accum)
+
+            def micro_batch():
+                with fabric.no_backward_sync(model, enabled=not last):
+                    fabric.backward(F.cross_entropy(model(x), y) / accum)
+
+            if calls is None:
+                micro_batch()
+            else:
+                sent += allreduces(micro_batch)
             if last:
+                if calls is not None:
+                    calls.append(sent)
+                    sent = 0
                 if mode.get("clip"):  # an overflowed step is skipped, not an error
                     fabric.clip_gradients(model, optimizer, max_norm=mode["clip"], error_if_nonfinite=False)
                 stepped.append(optimizer.step())
@@ -264,14 +318,20 @@ def trainer_vs_own(rank: int, mode: dict, batches: int, epochs: int = 1) -> dict
 
 
 def fabric_vs_own(rank: int, mode: dict, batches: int) -> dict:
-    """Under Fabric's DDP (stock DistributedDataParallel) and the own loop under the
-    same (torch's DistributedDataParallel around the to_half model)."""
+    """Under Fabric's DDP and the own loop under the same: torch's
+    DistributedDataParallel around the to_half model, or, with fp32 sums (whose
+    exchange needs mpfp16's hook, which the plugin attaches to Fabric's),
+    mpfp16.distributed.wrap; the allreduce calls of each optimizer step.
+    check_replicas raises on every rank unless the replicas are bit-identical."""
     mdist.init()
-    data = make_data(batches, rank, mode.get("inf_batches", ()))
-    net, plugin, _, stepped = fit_fabric(mode, data, ddp=True)
+    data = make_data(batches, rank, mode.get("inf_batches", ()) if rank in mode.get("inf_ranks", (rank,)) else ())
+    calls = []
+    net, plugin, _, stepped = fit_fabric(mode, data, ddp=True, calls=calls)
+    mdist.check_replicas(net, plugin.optimizer, buffers=False)
     mine = state(net, plugin.optimizer)
-    ref, opt, own = own_loop(mode, data, ddp="torch")
-    return {"same": same(mine, state(ref, opt)), "stepped": stepped, "own_stepped": own}
+    ref, opt, own = own_loop(mode, data, ddp="mpfp16" if mode.get("accumulate_dtype") else "torch")
+    return {"same": same(mine, state(ref, opt)), "stepped": stepped, "own_stepped": own, "calls": calls,
+            "skipped": plugin.skipped_steps}
 
 
 def refused_comm_hook(rank: int) -> str:

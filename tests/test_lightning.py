@@ -55,9 +55,11 @@ def test_trainer_is_the_own_loop_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name", ["fp16-masters-sgd", "bf16-masters-adamw", "fp16-no-masters-kahan-adamw",
-                                  "fp16-accumulate-4-fp32-sums", "fp16-skips",
+                                  "fp16-accumulate-4", "fp16-accumulate-4-fp32-sums", "fp16-skips",
                                   "fp16-clip-norm-adamw-skips"])
 def test_fabric_is_the_own_loop_bit_for_bit(name):
+    """Accumulation runs under fabric.no_backward_sync, as Fabric's docs write it (on one
+    device it is a no-op)."""
     mode = MODES[name]
     data = W.make_data(16, inf_batches=mode.get("inf_batches", ()))
     net, plugin, optimizer, stepped = W.fit_fabric(mode, data, epochs=2)
@@ -116,6 +118,93 @@ def test_resume_from_a_lightning_checkpoint_is_bit_identical(tmp_path):
     assert W.same(W.state(resumed.net, plugin2.optimizer), W.state(whole.net, plugin.optimizer))
 
 
+def _everything(lit, trainer) -> dict:
+    """What a resumed run must end with: the weights, FP16Optimizer's whole state_dict
+    (masters, the inner state, the scale and its trackers, the skipped steps, the
+    rounding generator), the lr schedulers' state and the step count."""
+    return {"weights": [p.detach().clone() for p in lit.parameters()], "optimizer": trainer.optimizers[0].state_dict(),
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "global_step": trainer.global_step}
+
+
+def _equal(a, b, where="") -> str | None:
+    """Where ``a`` and ``b`` (nested containers of tensors and values) first differ;
+    None when they are bit-identical."""
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return None if same else where
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return where
+        return next((w for k in a if (w := _equal(a[k], b[k], f"{where}.{k}")) is not None), None)
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            return where
+        return next((w for i, (x, y) in enumerate(zip(a, b)) if (w := _equal(x, y, f"{where}[{i}]")) is not None), None)
+    return None if a == b else where
+
+
+# An inf batch (index 2) skips the third step, before the checkpoint; a growth interval of 3
+# grows the scale between skips, so that the checkpoint falls with the growth tracker mid-way.
+MID_EPOCH = {"optimizer": "adamw", "init_scale": 2.0 ** 16, "growth_interval": 3, "scheduler": True,
+             "inf_batches": (2,)}
+
+
+def test_resume_mid_epoch_from_last_checkpoint_after_a_crash(tmp_path):
+    """ModelCheckpoint(every_n_train_steps=5, save_last=True) saves last.ckpt in the
+    middle of the first of two 8-batch epochs; the run then dies. A new Trainer's
+    fit(ckpt_path="last"), into a model built from other weights, ends bit for bit where
+    the uninterrupted run ends (_everything). The data comes through a loader Lightning
+    can resume mid-epoch (W.ResumableLoader)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Crash(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 6:
+                raise RuntimeError("the machine went away")
+
+    data = W.make_data(8, inf_batches=MID_EPOCH["inf_batches"])
+    whole, _, trainer = W.fit_trainer(MID_EPOCH, data, epochs=2, resumable=True)
+    expected = _everything(whole, trainer)
+
+    def checkpoints():
+        return ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_last=True)
+
+    with pytest.raises(RuntimeError, match="went away"):
+        W.fit_trainer(MID_EPOCH, data, epochs=2, callbacks=[checkpoints(), Crash()], checkpointing=True,
+                      default_root_dir=tmp_path, resumable=True)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert (saved["epoch"], saved["global_step"]) == (0, 5)
+    opt_state = saved["optimizer_states"][0]
+    assert opt_state["skipped_steps"] >= 1 and opt_state["scaler"]["growth_tracker"] > 0  # MID_EPOCH's comment
+    resumed, plugin, trainer = W.fit_trainer(MID_EPOCH, data, epochs=2, net=W.make_net(5), callbacks=[checkpoints()],
+                                             checkpointing=True, default_root_dir=tmp_path, ckpt_path="last",
+                                             resumable=True)
+    assert _equal(_everything(resumed, trainer), expected) is None, _equal(_everything(resumed, trainer), expected)
+    assert trainer.global_step == 16 and plugin.skipped_steps == expected["optimizer"]["skipped_steps"]
+
+
+def test_resume_mid_epoch_with_accumulation_and_fp32_sums(tmp_path):
+    """ModelCheckpoint(every_n_train_steps=3) with accumulate_grad_batches=2 and fp32
+    sums saves after the third optimizer step, mid-epoch (after batch 6 of 8);
+    fit(ckpt_path=that file) ends where the run that saved it ended (checkpoints do not
+    change a run: that run is the uninterrupted one)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    mode = dict(MID_EPOCH, accum=2, accumulate_dtype=torch.float32)
+    data = W.make_data(8, inf_batches=mode["inf_batches"])
+    whole, _, trainer = W.fit_trainer(mode, data, epochs=2, checkpointing=True, default_root_dir=tmp_path,
+                                      callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3,
+                                                                 save_top_k=-1)], resumable=True)
+    expected = _everything(whole, trainer)
+    path = str(tmp_path / "epoch=0-step=3.ckpt")
+    opt_state = torch.load(path, weights_only=True)["optimizer_states"][0]
+    assert opt_state["skipped_steps"] >= 1 and opt_state["scaler"]["growth_tracker"] > 0
+    resumed, _, trainer = W.fit_trainer(mode, data, epochs=2, net=W.make_net(5), ckpt_path=path, resumable=True)
+    assert _equal(_everything(resumed, trainer), expected) is None, _equal(_everything(resumed, trainer), expected)
+    assert trainer.global_step == 8
+
+
 def test_fabric_save_and_load_carry_the_masters(tmp_path):
     """fabric.save after a step holds FP16Optimizer's state; fabric.load into a freshly
     set-up model and optimizer (before any backward) restores it, and training goes on
@@ -136,6 +225,8 @@ def test_fabric_save_and_load_carry_the_masters(tmp_path):
     model2, optimizer2 = fabric2.setup(second, W.OPTIMIZERS["adamw"](second.parameters()))
     fabric2.load(tmp_path / "ckpt.pt", {"model": model2, "optimizer": optimizer2})
     assert optimizer2.optimizer is plugin2.optimizer
+    # the wrapper is on the groups its inner optimizer (and any lr scheduler) now holds
+    assert plugin2.optimizer.param_groups is plugin2.optimizer.optimizer.param_groups
     W.fabric_epoch(fabric2, model2, optimizer2, data)
     assert W.same(W.state(second, plugin2.optimizer), W.state(net, plugin.optimizer))
 
@@ -148,6 +239,7 @@ def test_options_are_refused_when_the_plugin_is_built():
         for kwargs, words in (({"dtype": torch.float32}, "dtype must be"),
                               ({"rounding": "kahan"}, "needs master_weights=False"),
                               ({"loss_scale": "auto"}, "loss_scale must be"),
+                              ({"dtype": torch.bfloat16, "loss_scale": 128.0}, "over a model that computes in bfloat16"),
                               ({"accumulate_dtype": torch.float16}, "accumulate_dtype"),
                               ({"dtype": torch.float16, "master_weights": "remainder"}, "bf16")):
             with pytest.raises(ValueError) as exc:

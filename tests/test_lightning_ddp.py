@@ -1,7 +1,9 @@
 """The Lightning plugins under strategy="ddp" (two CPU processes, gloo): the Trainer's
 run is mpfp16's own loop under mpfp16.distributed.wrap bit for bit, the replicas stay
 identical, accumulate_grad_batches sends one exchange per optimizer step, and an inf
-on one rank skips the step on both; Fabric's run is the own loop under torch's DDP.
+on one rank skips the step on both; Fabric's run, accumulating under
+fabric.no_backward_sync with one exchange per optimizer step, is the own loop under
+torch's DDP (with fp32 sums, under mpfp16.distributed.wrap).
 And a Trainer run killed with SIGKILL resumes from Lightning's own last.ckpt to the
 weights of an uninterrupted run."""
 
@@ -29,7 +31,11 @@ TRAINER = {
 }
 for _name, (_mode, _batches) in TRAINER.items():
     GROUP.add(f"trainer-{_name}", W.trainer_vs_own, _mode, _batches)
-FABRIC = {"sgd": ({}, 8), "accumulate-4": ({"accum": 4}, 16), "inf-on-rank-1": ({"inf_batches": (3,)}, 8)}
+FABRIC = {"sgd": ({}, 8), "accumulate-4": ({"accum": 4}, 16),
+          "inf-on-rank-1": ({"inf_batches": (3,), "inf_ranks": (1,)}, 8),
+          # the inf in the second micro-batch of the second step, on rank 1 only: both ranks skip that step
+          "accumulate-4-fp32-sums-inf-on-rank-1": ({"accum": 4, "accumulate_dtype": torch.float32,
+                                                    "inf_batches": (5,), "inf_ranks": (1,)}, 16)}
 for _name, (_mode, _batches) in FABRIC.items():
     GROUP.add(f"fabric-{_name}", W.fabric_vs_own, _mode, _batches)
 GROUP.add("refused-comm-hook", W.refused_comm_hook)
@@ -57,12 +63,21 @@ def test_trainer_under_ddp_is_the_own_loop(group, name):
 
 @pytest.mark.parametrize("name", FABRIC)
 def test_fabric_under_ddp_is_the_own_loop(group, name):
+    """fabric.no_backward_sync while accumulating: the run is the own loop's bit for bit,
+    the replicas pass check_replicas, and each optimizer step sends exactly one exchange
+    (an allreduce of each of DDP's two buckets; none on the accumulating micro-batches).
+    With fp32 sums the plugin gives Fabric's DDP mpfp16's hook, whose one exchange
+    carries the sum; the own loop runs under mpfp16.distributed.wrap."""
+    mode, batches = FABRIC[name]
     results = group(f"fabric-{name}")
     for r in results:
         assert r["same"]
         assert r["stepped"] == r["own_stepped"] == results[0]["stepped"]
-    if "inf_batches" in FABRIC[name][0]:
+        assert r["calls"] == [2] * (batches // mode.get("accum", 1))
+    if "inf_batches" in mode:
         assert False in results[0]["stepped"]
+        assert results[0]["stepped"].count(False) == results[0]["skipped"] == results[1]["skipped"]
+        assert all(not results[0]["stepped"][i // mode.get("accum", 1)] for i in mode["inf_batches"])
 
 
 def test_a_ddp_comm_hook_of_the_users_is_refused(group):

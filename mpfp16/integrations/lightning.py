@@ -30,9 +30,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..convert import to_half
-from ..optimizer import FP16Optimizer, check_options
+from ..optimizer import FP16Optimizer, check_options, make_scaler
 from ..parallel.base import is_main_process
 from ..parallel.ddp import attach
+from ..parallel.handles import handle_of
 
 try:
     from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -63,7 +64,7 @@ class _Options:
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         check_options(master_weights=master_weights, rounding=rounding, fused=fused,
                       accumulate_dtype=accumulate_dtype, dtypes={dtype})
-        FP16Optimizer._make_scaler(loss_scale, has_fp16=dtype == torch.float16)  # refuses a bad loss_scale now
+        make_scaler(loss_scale, dtype)  # refuses a bad loss_scale now
         if allreduce_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"allreduce_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, "
                              f"got {allreduce_dtype}")
@@ -139,7 +140,8 @@ class MPFP16Precision(_Reports, Precision):
       micro-batches in fp32 and the exchange carries the sum.
     - The checkpoint's optimizer state is ``FP16Optimizer.state_dict()``: masters, the
       inner optimizer's state and the scaler's; ``trainer.fit(ckpt_path=...)`` resumes
-      from it.
+      from it, bit for bit, mid-epoch too where the training loader is one Lightning
+      can resume (``state_dict``/``load_state_dict``; docs/LIGHTNING.md).
 
     Refused when ``fit`` sets up, before the first batch, in one line: a strategy other
     than one device or DDP (FSDP and DeepSpeed shard or hold their own master weights),
@@ -277,9 +279,11 @@ class MPFP16FabricPrecision(_Reports, FabricPrecision):
     such hook: resume it after one ``fabric.backward``.)
 
     Under ``strategy="ddp"`` Fabric's own DistributedDataParallel averages the 16-bit
-    gradients; ``fabric.no_backward_sync`` skips the exchange while accumulating.
-    ``accumulate_dtype=torch.float32`` then refuses to step (its sum needs mpfp16's
-    hook: use the Trainer plugin or ``mpfp16.distributed.wrap``). On a GPU, build the
+    gradients with DDP's default hook; ``fabric.no_backward_sync`` skips the exchange
+    while accumulating, so each optimizer step sends one. With
+    ``accumulate_dtype=torch.float32`` the plugin gives that DDP module mpfp16's hook
+    at the first ``fabric.backward()``, and the one exchange carries the fp32 sum of
+    the micro-batches, as under the Trainer plugin. On a GPU, build the
     model under ``fabric.init_module()`` or move it to ``fabric.device`` before
     ``fabric.setup``: Fabric moves it after converting it, out of mpfp16's flat buffers.
     """
@@ -292,6 +296,8 @@ class MPFP16FabricPrecision(_Reports, FabricPrecision):
         self.precision = _DTYPES[dtype]
         self.optimizer: FP16Optimizer | None = None  # made at the first fabric.backward()
         self._modules: list[weakref.ref] = []
+        self._ddp_hooked = False  # accumulate_dtype: mpfp16's hook attached to Fabric's DDP module, if any
+        self._arrived: dict | None = None  # an FP16Optimizer state being loaded through the inner optimizer
         self.last_step_skipped = False
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -309,6 +315,7 @@ class MPFP16FabricPrecision(_Reports, FabricPrecision):
         for inner in _optimizers(lambda cls: issubclass(cls, torch.optim.Optimizer) and not issubclass(
                 cls, FP16Optimizer), owner):
             inner.register_load_state_dict_pre_hook(self._load_into_wrapper)
+            inner.register_load_state_dict_post_hook(self._load_wrapper_after_inner)
         return module
 
     def _owner(self) -> dict:
@@ -318,17 +325,32 @@ class MPFP16FabricPrecision(_Reports, FabricPrecision):
 
     def _load_into_wrapper(self, inner, state_dict):
         """The inner optimizer's load_state_dict pre-hook: an FP16Optimizer state
-        (``fabric.load`` before the first backward) is loaded by the FP16Optimizer,
-        which this wraps now; the inner optimizer then loads its own part, as the
-        FP16Optimizer just did (the same state, into the same masters)."""
+        (``fabric.load`` before the first backward) arrives at the torch optimizer,
+        which this wraps now. The torch optimizer loads its own part (it cannot be
+        stopped from loading something), and the post-hook
+        (:meth:`_load_wrapper_after_inner`) then loads the whole state into the
+        FP16Optimizer. That order matters: a torch optimizer's load makes new
+        ``param_groups``, and only the FP16Optimizer's own load, last, leaves it on the
+        groups its inner optimizer and the lr schedulers use (loaded first, it would be
+        left on the groups of before the load)."""
+        self._arrived = None  # what a load that failed half-way left
         if not (isinstance(state_dict, dict) and "master_weights" in state_dict and "optimizer" in state_dict):
             return None  # the inner optimizer's own state
         if self.optimizer is None:
             self.optimizer = self._wrap_found_optimizer()
         if self.optimizer.optimizer is not inner:
             return None
-        self.optimizer.load_state_dict(state_dict)
+        self._arrived = state_dict
         return state_dict["optimizer"]
+
+    def _load_wrapper_after_inner(self, inner) -> None:
+        """The inner optimizer's load_state_dict post-hook: the FP16Optimizer state
+        that :meth:`_load_into_wrapper` saw arrive, loaded by the FP16Optimizer (which
+        loads the inner optimizer's part again, into the same masters, and takes its
+        new groups)."""
+        state_dict, self._arrived = self._arrived, None
+        if state_dict is not None:
+            self.optimizer.load_state_dict(state_dict)
 
     def _wrap_found_optimizer(self) -> FP16Optimizer:
         """The optimizer Fabric set up over the converted model's parameters, wrapped."""
@@ -357,7 +379,26 @@ class MPFP16FabricPrecision(_Reports, FabricPrecision):
     def backward(self, tensor: torch.Tensor, model, *args, **kwargs) -> None:
         if self.optimizer is None:
             self.optimizer = self._wrap_found_optimizer()
+        if self._options.accumulate_dtype is not None and not self._ddp_hooked:
+            self._attach_to_ddp()
         self.optimizer.backward(tensor, *args, **kwargs)
+
+    def _attach_to_ddp(self) -> None:
+        """With ``accumulate_dtype=torch.float32``, before the first backward pass: give
+        the DistributedDataParallel module that Fabric's DDP strategy built around the
+        converted model mpfp16's hook (:func:`mpfp16.distributed.attach`, the gradients'
+        own dtype on the wire). The step's one exchange must carry the fp32 sum of its
+        micro-batches; DDP's default hook sends only the last micro-batch's 16-bit
+        gradient. Every rank attaches at its first backward. A DDP module with a hook
+        of its own is refused by ``attach``, in one line; one that already has mpfp16's
+        is left as it is. Fabric hands a precision plugin neither module, so the DDP
+        module is found among the interpreter's objects, as the optimizer is."""
+        modules = {id(m) for m in (ref() for ref in self._modules) if m is not None}
+        for obj in gc.get_objects():
+            if (issubclass(type(obj), DistributedDataParallel) and id(obj.module) in modules
+                    and handle_of(obj) is None):
+                attach(obj)
+        self._ddp_hooked = True
 
     def _fp16(self, optimizer) -> FP16Optimizer:
         if issubclass(type(optimizer), _FabricOptimizer):
