@@ -194,3 +194,134 @@ def test_the_timeout_default_is_the_librarys():
 
     assert TrainConfig(task="cifar").dist_timeout == setup.DEFAULT_TIMEOUT_S
     assert inspect.signature(setup.init).parameters["timeout_s"].default == setup.DEFAULT_TIMEOUT_S
+
+
+# ----------------------------------------------------------------- flags that contradict each other
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--master-weights", "remainder", "--no-master-weights"],
+     "--no-master-weights contradicts --master-weights remainder, given before it: pass one of them"),
+    (["--no-master-weights", "--master-weights", "remainder"],
+     "--master-weights remainder contradicts --no-master-weights, given before it: pass one of them"),
+    (["--no-master-weights", "--master-weights", "fp32"],
+     "--master-weights fp32 contradicts --no-master-weights, given before it: pass one of them"),
+    (["--master-weights", "fp32", "--no-master-weights"],
+     "--no-master-weights contradicts --master-weights fp32, given before it: pass one of them"),
+    (["--nesterov", "--no-nesterov"], "--no-nesterov contradicts --nesterov, given before it: pass one of them"),
+    (["--no-nesterov", "-b", "8", "--nesterov"],
+     "--nesterov contradicts --no-nesterov, given before it: pass one of them"),
+    (["--no-master", "--master-weights=fp32"],  # an abbreviation is the flag it abbreviates
+     "--master-weights fp32 contradicts --no-master-weights, given before it: pass one of them"),
+], ids=["remainder-then-none", "none-then-remainder", "none-then-fp32", "fp32-then-none", "nesterov-then-not",
+        "not-then-nesterov", "abbreviated"])
+@pytest.mark.parametrize("task", ["cifar", "imagenet"])
+def test_flags_that_contradict_each_other_are_an_argparse_error(capsys, task, argv, message):
+    """Two flags that set one setting to different meanings, in either order: one
+    argparse error line (exit status 2), not the last one silently winning."""
+    parser = cli.build_parser(task)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"{parser.prog}: error: {message}"
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--no-master-weights", "--no-master-weights"], {"master_weights": False}),
+    (["--master-weights", "fp32", "--master-weights", "remainder"], {"master_weights": "remainder"}),
+    (["--nesterov", "--nesterov"], {"nesterov": True}),
+    (["-b", "16", "--batch-size", "32"], {"batch_size": 32}),
+    (["--wd", "0.1", "--weight-decay", "0.2"], {"weight_decay": 0.2}),
+])
+def test_a_flag_given_again_keeps_argparses_rule_the_last_value_wins(argv, expected):
+    """One flag (with its aliases) given twice is no contradiction: argparse's last value
+    wins, so that a wrapper script's flags can be overridden after them."""
+    assert vars(cli.build_parser("cifar").parse_args(argv)) == expected
+
+
+@pytest.mark.parametrize("task", ["cifar", "imagenet"])
+def test_every_setting_that_two_flags_set_refuses_their_contradiction(task):
+    """The settings that flags of different meanings set are exactly these, and each such
+    flag checks for the other: a new pair of flags on one setting fails here until it
+    does too."""
+    meanings = {}
+    for action in cli.build_parser(task)._actions:
+        spellings = ([[s] for s in action.option_strings] if isinstance(action, argparse.BooleanOptionalAction)
+                     else [action.option_strings])
+        meanings.setdefault(action.dest, []).extend((action, s) for s in spellings)
+    shared = {dest: ways for dest, ways in meanings.items() if len(ways) > 1}
+    assert sorted(shared) == ["master_weights", "nesterov"]
+    assert all(isinstance(action, (cli._Meaning, cli._Switch)) for ways in shared.values() for action, _ in ways)
+
+
+# ----------------------------------------------------------------- torchrun's environment
+
+
+LAUNCHED = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+NOT_SET = "is not set, and WORLD_SIZE is: launch with torchrun, which sets both, or unset WORLD_SIZE to run a single " \
+          "process"
+
+
+def launched(**changes):
+    """torchrun's variables for rank 1 of 2, with ``changes`` (None: not set)."""
+    env = {**LAUNCHED, **changes}
+    return {name: value for name, value in env.items() if value is not None}
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, None),  # not launched: a single process
+    ({"MASTER_ADDR": "somewhere"}, None),  # MASTER_* alone (set in a profile, say) launch nothing
+    (launched(), (1, 2, 1)),
+    (launched(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0"), (0, 1, 0)),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),  # not "RANK is not set": WORLD_SIZE is wrong
+    (launched(WORLD_SIZE="0"), "WORLD_SIZE=0 must be at least 1"),
+    (launched(WORLD_SIZE="two"), "WORLD_SIZE='two' is not an integer"),
+    (launched(WORLD_SIZE=""), "WORLD_SIZE='' is not an integer"),
+    (launched(RANK=None), f"RANK {NOT_SET}"),
+    (launched(RANK="-1"), "RANK=-1 must be at least 0"),
+    (launched(RANK="2"), "RANK=2 must be less than WORLD_SIZE=2"),
+    (launched(RANK="1.0"), "RANK='1.0' is not an integer"),
+    (launched(LOCAL_RANK=None), f"LOCAL_RANK {NOT_SET}"),
+    (launched(LOCAL_RANK="junk"), "LOCAL_RANK='junk' is not an integer"),
+    (launched(LOCAL_RANK="2"), "LOCAL_RANK=2 must be less than WORLD_SIZE=2"),
+    (launched(MASTER_ADDR=None), f"MASTER_ADDR {NOT_SET}"),
+    (launched(MASTER_ADDR=" "), "MASTER_ADDR=' ' is empty: it must name the host of rank 0"),
+    (launched(MASTER_PORT=None), f"MASTER_PORT {NOT_SET}"),
+    (launched(MASTER_PORT="junk"), "MASTER_PORT='junk' is not an integer"),
+    (launched(MASTER_PORT="0"), "MASTER_PORT=0 must be at least 1"),
+    (launched(MASTER_PORT="65536"), "MASTER_PORT=65536 must be at most 65535"),
+    pytest.param(launched(), "LOCAL_RANK=1 names no GPU: this node has 0; use --nproc_per_node <= the number of GPUs",
+                 marks=NO_GPU, id="cuda-without-gpu"),
+])
+def test_torchruns_environment_is_checked_whole_and_names_the_wrong_variable(env, expected):
+    from mpfp16.parallel import setup
+
+    device = "cuda" if isinstance(expected, str) and "GPU" in expected else "cpu"
+    if isinstance(expected, str):
+        with pytest.raises(ValueError) as err:
+            setup.check_environment(device, environ=env)
+        assert str(err.value) == f"environment variable {expected}"
+    else:
+        assert setup.check_environment(device, environ=env) == expected
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
+    (launched(MASTER_PORT="junk"), "MASTER_PORT='junk' is not an integer"),
+    (launched(RANK=None), f"RANK {NOT_SET}"),
+    (launched(LOCAL_RANK="junk"), "LOCAL_RANK='junk' is not an integer"),
+], ids=["world-size-0", "port-junk", "no-rank", "local-rank-junk"])
+def test_a_bad_environment_is_one_line_before_anything_starts(capsys, monkeypatch, tmp_path, env, message):
+    """The scripts: one ``error:`` line, exit status 2, no traceback, before any data is
+    loaded or any file written (it was a ValueError's traceback from init())."""
+    import train_cifar
+
+    for name in LAUNCHED:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    status = train_cifar.main(["--synthetic-size", "64,16", "-a", "resnet9-w4", "--max-steps", "1", "--no-progress",
+                               "--dist-timeout", "5", "--checkpoint-dir", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.err == f"error: environment variable {message}\n"
+    assert "data:" not in captured.out and not any(tmp_path.iterdir())

@@ -238,50 +238,153 @@ def test_an_inexact_comm_state_is_refused_unless_allowed():
 # ----------------------------------------------------------------- the position in the epoch, in samples
 
 
-def trained_keys(size, world, batch, accum, start, steps, epoch=0, seed=0):
-    """The samples ``steps`` optimizer steps take from ``start`` on, as the run's
-    samplers and loaders deal them: each rank's micro-batches in turn."""
-    from mpfp16.train.data import ResumableDistributedSampler
+def trained_keys(size, world, batch, accum, start, steps, epoch=0, seed=0, last_step=()):
+    """The samples ``steps`` full optimizer steps from ``start`` on take, then a shorter
+    last step of the micro-batches ``last_step`` (per process), as the run's samplers and
+    loaders deal them (:class:`mpfp16.train.data.StepBatches`): each rank's
+    micro-batches of the step in turn."""
+    from mpfp16.train.data import ResumableDistributedSampler, StepBatches
 
+    sizes = [batch] * (steps * accum) + list(last_step)
     shares = []
     for rank in range(world):
         sampler = ResumableDistributedSampler(range(size), world, rank, shuffle=True, seed=seed)
         sampler.set_epoch(epoch, start)
-        shares.append([index for _, index in sampler])
-    per_step = batch * accum
-    assert all(len(share) >= steps * per_step for share in shares)
-    return [i for step in range(steps) for share in shares for i in share[step * per_step:(step + 1) * per_step]]
+        shares.append([[index for _, index in micro] for micro in StepBatches(sampler, sizes)])
+    assert all(len(share) == len(sizes) for share in shares)  # every micro-batch filled on every rank
+    step_ends = list(range(0, steps * accum + 1, accum)) + ([len(sizes)] if last_step else [])
+    return [i for first, end in zip(step_ends, step_ends[1:]) for share in shares
+            for micro in share[first:end] for i in micro]
 
 
-LAYOUTS = [(1, 16, 1), (2, 8, 1), (2, 6, 1), (1, 12, 1), (2, 4, 2), (3, 5, 1), (4, 3, 2), (1, 32, 1)]
+def rest_of(position, size, layout) -> R.EpochRest:
+    world, batch, accum = layout
+    return R.epoch_rest(position, dataset_size=size, world_size=world, batch_size=batch, accum_steps=accum)
+
+
+LAYOUTS = [(1, 16, 1), (2, 8, 1), (2, 6, 1), (1, 12, 1), (2, 4, 2), (3, 5, 1), (4, 3, 2), (1, 32, 1), (2, 2, 3)]
 
 
 @pytest.mark.parametrize("size", [200, 203])
 def test_the_position_is_global_for_any_change_of_processes_batch_and_accumulation(size):
     """Over every pair of (processes, -b, --accum-steps), both ways: an epoch begun on
     one and resumed on the other trains each of its samples at most once, takes them
-    in the one order of the epoch (the same for every world size), and stops only
-    where the rest cannot fill a step of the resumed run, as an uninterrupted epoch of
-    it does."""
+    in the one order of the epoch (the same for every world size), and trains what an
+    uninterrupted epoch of the resumed run's shape trains: up to the order's sample
+    ``size - size % S`` (S samples a step), with a shorter last step where its full
+    steps stop before that. Left out beyond it, and counted, only what cannot be split:
+    fewer than one sample per process, and, with -b above 1, one per process where a
+    micro-batch of one sample would be left. The same shape again never needs a shorter
+    step."""
     from mpfp16.train.data import ResumableDistributedSampler
 
     order = ResumableDistributedSampler(range(size), 1, 0, shuffle=True, seed=0).order()
+    shorter = 0
     for (w1, b1, a1), (w2, b2, a2) in itertools.product(LAYOUTS, repeat=2):
-        first_steps = R.steps_left_in_epoch(0, dataset_size=size, world_size=w1, batch_size=b1, accum_steps=a1)
-        for steps in (1, first_steps // 2, first_steps - 1):
+        first = rest_of(0, size, (w1, b1, a1))
+        assert not first.last_step and first.untrained == first.tail == size % (w1 * b1 * a1)
+        for steps in (1, first.full_steps // 2, first.full_steps - 1):
             before = trained_keys(size, w1, b1, a1, 0, steps)
             saved = {"batches_done": steps * a1, "config": {"batch_size": b1}, "run": {"processes": w1}}
             position = R.samples_done(saved, batch_size=b2)  # a checkpoint that recorded only its own batches
             assert position == len(before) == steps * b1 * a1 * w1
             assert R.samples_done({**saved, "samples_done": position}, batch_size=b2) == position
-            rest = R.steps_left_in_epoch(position, dataset_size=size, world_size=w2, batch_size=b2, accum_steps=a2)
-            after = trained_keys(size, w2, b2, a2, position, rest)
+            rest = rest_of(position, size, (w2, b2, a2))
+            after = trained_keys(size, w2, b2, a2, position, rest.full_steps, last_step=rest.last_step)
             trained = before + after
-            assert len(set(trained)) == len(trained), ((w1, b1, a1), (w2, b2, a2), steps)  # none twice
-            assert sorted(trained) == sorted(order[:len(trained)])  # none skipped: the order's first samples
-            assert size - len(trained) < b2 * a2 * w2 + w2  # the rest cannot fill one more step
-            assert R.steps_left_in_epoch(len(trained), dataset_size=size, world_size=w2, batch_size=b2,
-                                         accum_steps=a2) == 0
+            case = ((w1, b1, a1), (w2, b2, a2), steps)
+            assert len(set(trained)) == len(trained), case  # none twice
+            assert sorted(trained) == sorted(order[:len(trained)]), case  # none skipped: the order's first samples
+            uninterrupted = size - size % (w2 * b2 * a2)  # where an uninterrupted epoch of the new shape ends
+            assert len(trained) == size - rest.untrained >= uninterrupted - rest.uneven - rest.single, case
+            if rest.last_step or rest.uneven or rest.single:  # it stops there, less only what cannot be split
+                assert len(trained) == uninterrupted - rest.uneven - rest.single, case
+            else:  # full steps to the end, or past it (taken in smaller ones, whose end is later)
+                assert rest.untrained <= rest.tail, case
+            assert rest.uneven < w2 and rest.single in ((0, w2) if b2 > 1 else (0,)), case
+            assert rest.steps == R.steps_left_in_epoch(position, dataset_size=size, world_size=w2, batch_size=b2,
+                                                       accum_steps=a2)
+            assert len(rest.last_step) <= a2 and all(min(2, b2) <= n <= b2 for n in rest.last_step), case
+            assert max(rest.last_step, default=0) - min(rest.last_step, default=0) <= 1  # as even as possible
+            if (w1, b1, a1) == (w2, b2, a2):
+                assert not rest.last_step and rest.untrained == rest.tail
+            assert rest_of(len(trained), size, (w2, b2, a2)).steps == 0, case  # the epoch is over
+            shorter += bool(rest.last_step)
+    assert shorter > 30  # the matrix holds shorter last steps, not only whole ones
+
+
+def test_a_resume_on_two_processes_trains_the_rest_of_the_epoch():
+    """1 process x -b 16 stops at sample 48 of 128; 2 processes x -b 16 take 2 full steps
+    (64 samples) and a shorter last one of 16 (8 per process): the epoch's 128, as an
+    uninterrupted epoch of 2 processes trains. It ended after 64, and 16 were never
+    trained."""
+    assert R.steps_left_in_epoch(48, dataset_size=128, world_size=2, batch_size=16, accum_steps=1) == 3
+    rest = rest_of(48, 128, (2, 16, 1))
+    assert rest == R.EpochRest(full_steps=2, last_step=(8,), untrained=0, tail=0, uneven=0, single=0)
+    after = trained_keys(128, 2, 16, 1, 48, rest.full_steps, last_step=rest.last_step)
+    assert sorted(trained_keys(128, 1, 16, 1, 0, 3) + after) == list(range(128))
+    assert R.describe_rest(rest, epoch=0, samples_done=48, dataset_size=128, world_size=2) == (
+        "info", "epoch 1 resumed at sample 48 of 128: 2 full steps, then a shorter last step of 16 samples (8 per "
+                "process, in one micro-batch) up to sample 128, where an uninterrupted epoch of this shape ends")
+
+
+@pytest.mark.parametrize("position,size,layout,expected,line", [
+    (0, 203, (2, 8, 1), R.EpochRest(12, (), 11, 11, 0, 0), None),  # uninterrupted: its tail, said nowhere
+    (96, 203, (2, 8, 1), R.EpochRest(6, (), 11, 11, 0, 0), None),  # resumed with the same shape
+    (36, 200, (2, 4, 2), R.EpochRest(10, (), 4, 8, 0, 0), None),  # went past where the new shape ends: fewer left
+    (36, 200, (2, 4, 3), R.EpochRest(6, (3, 3), 8, 8, 0, 0),
+     ("info", "epoch 1 resumed at sample 36 of 200: 6 full steps, then a shorter last step of 12 samples (6 per "
+              "process, in micro-batches of 3, 3) up to sample 192, where an uninterrupted epoch of this shape ends")),
+    (45, 128, (4, 16, 1), R.EpochRest(1, (4,), 3, 0, 3, 0),
+     ("warning", "epoch 1 resumed at sample 45 of 128: 1 full step, then a shorter last step of 16 samples (4 per "
+                 "process, in one micro-batch) up to sample 125; 3 samples of its order are not trained in this "
+                 "epoch, 3 more than an uninterrupted epoch of this shape leaves (it ends at sample 128): 3 that do "
+                 "not split evenly across 4 processes")),
+    (10, 128, (2, 2, 1), R.EpochRest(29, (), 2, 0, 0, 2),
+     ("warning", "epoch 1 resumed at sample 10 of 128: 2 samples of its order are not trained in this epoch, 2 more "
+                 "than an uninterrupted epoch of this shape leaves (it ends at sample 128): 2 that would make "
+                 "micro-batches of one sample")),
+    (10, 128, (2, 1, 2), R.EpochRest(29, (1,), 0, 0, 0, 0),  # -b 1: every micro-batch is of one sample
+     ("info", "epoch 1 resumed at sample 10 of 128: 29 full steps, then a shorter last step of 2 samples (1 per "
+              "process, in one micro-batch) up to sample 128, where an uninterrupted epoch of this shape ends")),
+    (0, 10, (1, 16, 1), R.EpochRest(0, (), 10, 10, 0, 0), None),  # no full step at all (build.schedule refuses it)
+], ids=["uninterrupted", "same-shape", "past-the-end", "shorter-accumulated", "uneven", "single", "batch-of-one",
+        "no-step"])
+def test_how_an_epoch_ends_and_what_is_said(position, size, layout, expected, line):
+    rest = rest_of(position, size, layout)
+    assert rest == expected
+    assert R.describe_rest(rest, epoch=0, samples_done=position, dataset_size=size, world_size=layout[0]) == line
+
+
+def test_the_shorter_last_step_is_the_mean_over_its_samples():
+    """The engine's step over micro-batches of 3 and 2 samples (the shorter last step of
+    a resumed epoch): each one's loss weighted by its share, so that the update is the
+    one of the mean loss over the 5 samples, as a full step's is over its own."""
+    import torch
+    import torch.nn as nn
+
+    from mpfp16.flat import flatten_parameters
+    from mpfp16.optimizer import FP16Optimizer
+    from mpfp16.train.engine import Trainer
+
+    torch.manual_seed(0)
+    images, labels = torch.randn(5, 4), torch.tensor([0, 1, 2, 1, 0])
+    reference = nn.Linear(4, 3)
+    trainer = Trainer.__new__(Trainer)  # the step alone: a model, its optimizer and schedule, no run around them
+    trainer.cfg, trainer.device, trainer.step = TrainConfig(task="cifar", accum_steps=4), torch.device("cpu"), 0
+    trainer.model = trainer.ddp = flatten_parameters(nn.Linear(4, 3))
+    trainer.model.load_state_dict(reference.state_dict())
+    trainer.opt = FP16Optimizer(torch.optim.SGD(trainer.model.parameters(), lr=1.0), loss_scale=None,
+                                model=trainer.model)
+    trainer.sched = torch.optim.lr_scheduler.LambdaLR(trainer.opt, lambda step: 1.0)
+    trainer._prepare = lambda x: x
+    batches = iter([(images[:3], labels[:3]), (images[3:], labels[3:])])
+    loss = trainer.train_step(batches, (3, 2))
+    expected = nn.functional.cross_entropy(reference(images), labels)
+    expected.backward()
+    assert torch.allclose(loss, expected.detach(), rtol=1e-6)
+    for p, q in zip(trainer.model.parameters(), reference.parameters()):
+        assert torch.allclose(p.detach(), q.detach() - q.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_the_position_of_an_early_checkpoint_counts_its_processes_by_its_rng_states():

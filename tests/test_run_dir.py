@@ -218,8 +218,10 @@ ONE_EPOCH = ["-a", "resnet9-w4", "--precision", "fp32", "--no-progress", "-p", "
 def test_two_processes_resumed_on_one_with_another_batch_train_each_sample_once(cifar_root, tmp_path, capsys,
                                                                                  monkeypatch):
     """2 processes x -b 6 stop after 5 steps (60 samples); 1 process x -b 16 with
-    --allow-changed-config trains the 8 steps the other 140 samples fill (128), and
-    epoch 1 ends at step 13: no sample twice (it repeated 30 before) and none skipped."""
+    --allow-changed-config trains the 8 steps the other 140 samples fill (128), then a
+    shorter one of 4, up to sample 192, where an uninterrupted epoch of -b 16 ends, and
+    epoch 1 ends at step 14: no sample twice (it repeated 30 before) and none skipped
+    (it left out 4 that an uninterrupted epoch trains)."""
     import fault_workers as FW
     from dist_helpers import run_workers
 
@@ -228,22 +230,27 @@ def test_two_processes_resumed_on_one_with_another_batch_train_each_sample_once(
     results = run_workers(FW.script_recording_samples, tmp_path / "out", args=(first, str(tmp_path)), timeout=240)
     assert [r["status"] for r in results] == [0, 0], results[0]["stderr"][-2000:]
     monkeypatch.setattr("mpfp16.train.data.InMemoryImages.__getitem__", FW.recording_getitem(tmp_path / "resumed.txt"))
-    status, err, _ = run([cifar_root, *ONE_EPOCH, "-b", "16", "--resume", "auto", "--allow-changed-config",
-                          "--checkpoint-dir", str(ck)], capsys)
+    status, err, out = run([cifar_root, *ONE_EPOCH, "-b", "16", "--resume", "auto", "--allow-changed-config",
+                            "--checkpoint-dir", str(ck)], capsys)
     assert status == 0, err
     assert_epoch_trained_once(logged_keys(tmp_path / "rank0.txt", tmp_path / "rank1.txt"),
-                              logged_keys(tmp_path / "resumed.txt"), trained=60 + 128)
+                              logged_keys(tmp_path / "resumed.txt"), trained=60 + 128 + 4)
+    assert ("epoch 1 resumed at sample 60 of 200: 8 full steps, then a shorter last step of 4 samples (4 per process, "
+            "in one micro-batch) up to sample 192, where an uninterrupted epoch of this shape ends\n") in out
     recs = records(ck / "metrics.jsonl")
-    assert [(r["epoch"], r["step"]) for r in recs if r["type"] == "eval"][-1] == (1, 13)
-    assert recs[-1]["type"] == "final" and recs[-1]["step"] == 13
+    assert [(r["epoch"], r["step"]) for r in recs if r["type"] == "eval"][-1] == (1, 14)
+    assert recs[-1]["type"] == "final" and recs[-1]["step"] == 14
 
 
 @pytest.mark.slow
 def test_one_process_resumed_on_two_with_another_batch_train_each_sample_once(cifar_root, tmp_path, capsys,
                                                                                monkeypatch):
     """1 process x -b 12 stops after 3 steps (36 samples, not a whole number of the
-    resumed run's micro-batches of 2 x 8); 2 processes x -b 4 x --accum-steps 2 train
-    the 10 steps the other 164 fill (160). It skipped the rest of the epoch before."""
+    resumed run's micro-batches of 2 x 4); 2 processes x -b 4 x --accum-steps 3 train
+    the 6 steps the other 164 fill (144), then a shorter one of 12 (micro-batches of 3
+    and 3 on each process), up to sample 192, where an uninterrupted epoch of theirs
+    ends. Before, it trained the 144 and left out those 12 (and before that, skipped the
+    rest of the epoch)."""
     import fault_workers as FW
     from dist_helpers import run_workers
 
@@ -253,14 +260,17 @@ def test_one_process_resumed_on_two_with_another_batch_train_each_sample_once(ci
                          capsys)
     assert status == 0, err
     monkeypatch.undo()  # this process's run is over: its recording ends here
-    resumed = [cifar_root, *ONE_EPOCH, "-b", "4", "--accum-steps", "2", "--resume", "auto", "--allow-changed-config",
+    resumed = [cifar_root, *ONE_EPOCH, "-b", "4", "--accum-steps", "3", "--resume", "auto", "--allow-changed-config",
                "--checkpoint-dir", str(ck)]
     results = run_workers(FW.script_recording_samples, tmp_path / "out", args=(resumed, str(tmp_path)), timeout=240)
     assert [r["status"] for r in results] == [0, 0], results[0]["stderr"][-2000:]
     assert_epoch_trained_once(logged_keys(tmp_path / "first.txt"),
-                              logged_keys(tmp_path / "rank0.txt", tmp_path / "rank1.txt"), trained=36 + 160)
+                              logged_keys(tmp_path / "rank0.txt", tmp_path / "rank1.txt"), trained=36 + 144 + 12)
+    said = ("epoch 1 resumed at sample 36 of 200: 6 full steps, then a shorter last step of 12 samples (6 per process, "
+            "in micro-batches of 3, 3) up to sample 192, where an uninterrupted epoch of this shape ends")
+    assert said in results[0]["stdout"] and said not in results[1]["stdout"] + results[1]["stderr"]  # rank 0's
     recs = records(ck / "metrics.jsonl")
-    assert [(r["epoch"], r["step"]) for r in recs if r["type"] == "eval"][-1] == (1, 13)
+    assert [(r["epoch"], r["step"]) for r in recs if r["type"] == "eval"][-1] == (1, 10)
 
 
 @pytest.mark.slow

@@ -323,6 +323,17 @@ def test_no_traceback_from_the_real_command_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"error: data path {tmp_path / 'absent'} does not exist"]
 
 
+@pytest.mark.slow
+def test_a_bad_torchrun_environment_is_one_line_from_the_real_command_line(tmp_path):
+    """WORLD_SIZE=0, RANK never set: the line names WORLD_SIZE (it blamed RANK, in a
+    traceback), exit status 2, before any data is loaded."""
+    proc = dist_helpers.python(["train_cifar.py", "--synthetic-size", "64,16", "--checkpoint-dir", str(tmp_path)],
+                               timeout=120, merge=False, env={"WORLD_SIZE": "0"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: environment variable WORLD_SIZE=0 must be at least 1"]
+    assert "data:" not in proc.stdout and not any(tmp_path.iterdir())
+
+
 # ----------------------------------------------------------------- torchrun, 2 processes
 
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from ..errors import library_words
 from .base import is_initialized
 
-__all__ = ["DistInfo", "check_options", "init", "teardown", "close_at_teardown", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "BACKENDS"]
+__all__ = ["DistInfo", "check_options", "check_environment", "init", "teardown", "close_at_teardown",
+           "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "BACKENDS"]
 
 logger = logging.getLogger("mpfp16")
 
@@ -49,12 +50,71 @@ class DistInfo:
         return self.rank == 0
 
 
-def _env_int(name: str) -> int:
-    value = os.environ.get(name, "")
+MAX_PORT = 65535
+
+
+def _env_set(env, name: str) -> str:
+    """Environment variable ``name`` of torchrun's, which a launched process must have."""
+    if name not in env:
+        raise ValueError(f"environment variable {name} is not set, and WORLD_SIZE is: launch with torchrun, which "
+                         "sets both, or unset WORLD_SIZE to run a single process")
+    return env[name]
+
+
+def _env_int(env, name: str, minimum: int, below: tuple[str, int] | None = None, maximum: int | None = None) -> int:
+    """Environment variable ``name`` of torchrun's, as an integer from ``minimum`` (and
+    less than the variable ``below`` names, or at most ``maximum``)."""
+    value = _env_set(env, name)
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+    if number < minimum:
+        raise ValueError(f"environment variable {name}={number} must be at least {minimum}")
+    if below is not None and number >= below[1]:
+        raise ValueError(f"environment variable {name}={number} must be less than {below[0]}={below[1]}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"environment variable {name}={number} must be at most {maximum}")
+    return number
+
+
+def check_environment(device: str | None = None, environ=None) -> tuple[int, int, int] | None:
+    """torchrun's environment, checked whole before anything starts: :func:`init` calls
+    it, and so does a front end that wants to refuse before loading data (the scripts).
+
+    ``WORLD_SIZE`` says whether the process was launched (torchrun always sets it);
+    without it the process runs alone and nothing else is read. With it, ``RANK``,
+    ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` must all be there and make
+    sense together, checked in that order so that the line names the variable that is
+    wrong (``WORLD_SIZE=0`` with no ``RANK`` is WORLD_SIZE's fault, not RANK's). On
+    CUDA (``device``, as :func:`init` takes it), ``LOCAL_RANK`` must name a GPU of
+    this node.
+
+    Args:
+        device: ``"cpu"``, ``"cuda"`` or None (CUDA when available), as :func:`init`.
+        environ: the variables to check; default ``os.environ``.
+
+    Returns:
+        ``(rank, world_size, local_rank)``, or None when not launched.
+
+    Raises:
+        ValueError: one line naming the variable and its value.
+    """
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" not in env:
+        return None
+    world_size = _env_int(env, "WORLD_SIZE", 1)
+    rank = _env_int(env, "RANK", 0, below=("WORLD_SIZE", world_size))
+    local_rank = _env_int(env, "LOCAL_RANK", 0, below=("WORLD_SIZE", world_size))
+    address = _env_set(env, "MASTER_ADDR")
+    if not address.strip():
+        raise ValueError(f"environment variable MASTER_ADDR={address!r} is empty: it must name the host of rank 0")
+    _env_int(env, "MASTER_PORT", 1, maximum=MAX_PORT)
+    use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise ValueError(f"environment variable LOCAL_RANK={local_rank} names no GPU: this node has "
+                         f"{torch.cuda.device_count()}; use --nproc_per_node <= the number of GPUs")
+    return rank, world_size, local_rank
 
 
 def check_options(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None,
@@ -101,20 +161,19 @@ def init(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, devic
     Returns:
         A :class:`DistInfo`. Without torchrun (no ``WORLD_SIZE`` in the environment)
         no process group is created and ``backend`` is None.
+
+    Raises:
+        ValueError: one line, for an option (:func:`check_options`) or a variable of
+            torchrun's environment (:func:`check_environment`) that is wrong, before
+            any process group is made.
     """
     check_options(backend=backend, timeout_s=timeout_s, device=device)
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
 
-    launched = "WORLD_SIZE" in os.environ
-    rank = _env_int("RANK") if launched else 0
-    world_size = _env_int("WORLD_SIZE") if launched else 1
-    local_rank = _env_int("LOCAL_RANK") if launched else 0
+    launch = check_environment(device)
+    launched = launch is not None
+    rank, world_size, local_rank = launch if launched else (0, 1, 0)
     if use_cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"LOCAL_RANK {local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
-                "use --nproc_per_node <= the number of GPUs"
-            )
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     else:
@@ -142,11 +201,8 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     never trained. A prefix per ``TORCHELASTIC_RESTART_COUNT`` keeps each attempt's
     keys apart.
     """
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if name not in os.environ:
-            raise RuntimeError(f"{name} is not set: launch with torchrun")
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world_size,
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # MASTER_*: check_environment's
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=rank == 0 and not agent_hosts, timeout=timeout, multi_tenant=True)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"mpfp16/attempt-{attempt}/", store)

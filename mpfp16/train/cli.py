@@ -4,6 +4,13 @@ Flag names follow pytorch/examples' ImageNet script where one exists. Every help
 ends with its default. A bad value is an argparse error; a problem found later (a
 missing data folder, a corrupt checkpoint, a stuck loss scale, a dead peer) is one
 line on stderr and a non-zero exit, never a traceback.
+
+A flag given twice keeps argparse's rule: the last value wins (``-b 16 -b 32`` is
+``-b 32``; ``--wd`` and ``--weight-decay`` are one flag), so that a wrapper script's
+flags can be overridden after them. Two different flags that set one setting to
+different meanings (``--master-weights remainder`` and ``--no-master-weights``,
+``--nesterov`` and ``--no-nesterov``) contradict each other: given together, in either
+order, they are an argparse error, not settled by whichever came last (:class:`_Meaning`).
 """
 
 from __future__ import annotations
@@ -18,12 +25,12 @@ import sys
 import torch.distributed as dist
 
 from ..parallel.hooks import STRATEGIES
-from ..parallel.setup import MAX_TIMEOUT_S
+from ..parallel.setup import MAX_TIMEOUT_S, check_environment
 from ..errors import FusedStepUnavailable, ReplicaDivergenceError, UserError, escape_breaks, one_line
 from ..rounding import ROUNDINGS
 from ..scaler import LossScaleStuckError
 from .config import (BAD_IMAGE_POLICIES, FUSED_CHOICES, OPTIMIZERS, PRECISIONS, SYNTHETIC_SIZES, WIRE_DTYPES,
-                     ConfigError, TrainConfig, default_text)
+                     ConfigError, TrainConfig, default_text, say)
 from .preemption import Stopped
 from .schedule import SCHEDULES
 
@@ -92,6 +99,49 @@ def _master_weights(text: str):
     if text not in ("fp32", "remainder"):
         raise argparse.ArgumentTypeError(f"must be fp32 or remainder, got {text!r}")
     return True if text == "fp32" else text
+
+
+_ABSENT = object()
+
+
+class _Meaning(argparse.Action):
+    """A flag that gives its setting one of the meanings that another flag gives it
+    otherwise. Where the setting already holds a value that this flag cannot give, the
+    other flag gave it, and the two contradict each other: an argparse error naming
+    both, in whichever order they came. A value this flag can give was given by this
+    flag itself, and argparse's rule holds: the last one wins.
+
+    ``gives``: the values this flag can set, or, with ``nargs=0`` (a flag without a
+    value), the one it sets; ``words(value)``: the flag that gives ``value``, as the
+    user typed it.
+    """
+
+    def __init__(self, option_strings, dest, gives, words, nargs=None, **kwargs):
+        self.gives, self.words = tuple(gives), words
+        super().__init__(option_strings, dest, nargs=nargs, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        value = self.gives[0] if self.nargs == 0 else values
+        _refuse_contradiction(namespace, self.dest, value, self.gives, self.words)
+        setattr(namespace, self.dest, value)
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """``--x`` / ``--no-x`` (:class:`argparse.BooleanOptionalAction`), the two spellings
+    two flags of opposite meaning: given together they contradict each other
+    (:class:`_Meaning`); either one given again is no contradiction."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        value = not option_string.startswith("--no-")
+        _refuse_contradiction(namespace, self.dest, value, (value,), lambda v: self.option_strings[0 if v else 1])
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _refuse_contradiction(namespace, dest: str, value, gives: tuple, words) -> None:
+    previous = getattr(namespace, dest, _ABSENT)
+    if previous is not _ABSENT and previous != value and previous not in gives:
+        raise argparse.ArgumentError(None, f"{words(value)} contradicts {words(previous)}, given before it: "
+                                           "pass one of them")
 
 
 def _resize_phases(text: str) -> list[tuple[int, int]]:
@@ -169,7 +219,7 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
     g.add_argument("--momentum", type=_float_in(0.0, 1.0), help="SGD momentum" + default("momentum"))
     g.add_argument("--wd", "--weight-decay", dest="weight_decay", type=_non_negative_float,
                    help="weight decay" + default("weight_decay"))
-    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction,
+    g.add_argument("--nesterov", action=_Switch,
                    help="Nesterov momentum" + default("nesterov"))
     g.add_argument("--label-smoothing", type=_float_in(0.0, 1.0), help="label smoothing" + default("label_smoothing"))
     g.add_argument("--warmup-epochs", type=_non_negative_float,
@@ -187,9 +237,11 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
 
     g = p.add_argument_group("precision")
     g.add_argument("--precision", choices=PRECISIONS, help="weights and activations" + default("precision"))
-    g.add_argument("--no-master-weights", dest="master_weights", action="store_false",
+    masters = {"dest": "master_weights", "action": _Meaning, "words": lambda value: say("master_weights", value)}
+    g.add_argument("--no-master-weights", nargs=0, gives=(False,), **masters,
                    help="step the 16-bit weights directly, with no fp32 copy" + default("master_weights", "fp32 masters"))
-    g.add_argument("--master-weights", dest="master_weights", type=_master_weights, metavar="{fp32,remainder}",
+    g.add_argument("--master-weights", type=_master_weights, gives=(True, "remainder"), **masters,
+                   metavar="{fp32,remainder}",
                    help="remainder (bf16): the fp32 masters held exactly as the bf16 weights and a 16-bit remainder "
                         "each, 2 bytes per parameter less" + default("master_weights", "fp32"))
     g.add_argument("--rounding", choices=ROUNDINGS,
@@ -275,6 +327,11 @@ def run(task: str, argv=None, description: str | None = None) -> int:
     parser = build_parser(task, description)
     args = parser.parse_args(argv)
     cfg = config_from_args(task, args, parser)
+    try:  # torchrun's variables, before any data is loaded or any peer waited for
+        check_environment(cfg.device)
+    except ValueError as exc:
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
     from .engine import train  # after parsing: --help and flag errors need neither torchvision nor the engine
 
     status = _train_and_report(train, cfg)

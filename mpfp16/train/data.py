@@ -13,6 +13,7 @@ crops, that the uninterrupted run saw, whatever the number of loader workers.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -29,7 +30,7 @@ from ..errors import DataError, one_line
 from .config import BAD_IMAGE_POLICIES
 
 __all__ = ["DataSpec", "synthetic_images", "load_cifar10", "ImageFolderSplit", "InMemoryImages",
-           "ResumableDistributedSampler", "ShardSampler", "make_loader", "cifar_data", "imagenet_data",
+           "ResumableDistributedSampler", "ShardSampler", "StepBatches", "make_loader", "cifar_data", "imagenet_data",
            "check_no_link_loop", "single_class_warning"]
 
 logger = logging.getLogger("mpfp16")
@@ -321,8 +322,9 @@ class ResumableDistributedSampler(Sampler):
     of steps, of any batch size, on any number of processes, the samples trained are
     exactly its first ``start`` (:func:`mpfp16.train.resume.samples_done`), and a run
     resumed with another world size or batch continues it without repeating or
-    skipping one. With ``start`` 0 it yields what ``DistributedSampler(drop_last=True)``
-    yields.
+    skipping one (how far it takes the rest: :func:`mpfp16.train.resume.epoch_rest`,
+    in :class:`StepBatches`). With ``start`` 0 it yields what
+    ``DistributedSampler(drop_last=True)`` yields.
     """
 
     def __init__(self, dataset, num_replicas: int, rank: int, shuffle: bool = True, seed: int = 0) -> None:
@@ -367,11 +369,39 @@ class ShardSampler(Sampler):
         return len(self.indices)
 
 
-def make_loader(dataset, sampler, batch_size: int, workers: int, pin_memory: bool, drop_last: bool) -> DataLoader:
+class StepBatches(Sampler):
+    """The micro-batches of an epoch's rest: the keys ``sampler`` yields, in batches of
+    the sizes given, in turn, and no more (:func:`mpfp16.train.resume.epoch_rest`: its
+    full steps' micro-batches of ``-b``, then those of a shorter last step). A batch the
+    sampler cannot fill is not yielded."""
+
+    def __init__(self, sampler, sizes: list[int]) -> None:
+        self.sampler, self.sizes = sampler, list(sizes)
+
+    def __iter__(self):
+        keys = iter(self.sampler)
+        for size in self.sizes:
+            batch = list(itertools.islice(keys, size))
+            if len(batch) < size:
+                return
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
+def make_loader(dataset, sampler, batch_size: int, workers: int, pin_memory: bool, drop_last: bool,
+                batch_sizes: list[int] | None = None) -> DataLoader:
+    """Batches of ``batch_size`` of what ``sampler`` yields, or, with ``batch_sizes``, the
+    batches of those sizes in turn (:class:`StepBatches`; ``batch_size`` and
+    ``drop_last`` then unused)."""
     # Its own generator: creating an iterator must not draw from the global RNG, or a
     # run resumed mid-epoch would draw once more than the uninterrupted run did.
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory,
-                      drop_last=drop_last, persistent_workers=False, generator=torch.Generator().manual_seed(0))
+    common = dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=False,
+                  generator=torch.Generator().manual_seed(0))
+    if batch_sizes is not None:
+        return DataLoader(dataset, batch_sampler=StepBatches(sampler, batch_sizes), **common)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **common)
 
 
 # ----------------------------------------------------------------- the two recipes

@@ -6,7 +6,9 @@ One optimizer step is ``accum_steps`` micro-batches; the allreduce runs only on 
 last of them. ``step`` counts optimizer steps, skipped ones included; ``--max-steps``,
 ``--save-every`` and the learning-rate schedule are in those units. The position in the
 epoch, ``samples_done``, counts samples of the epoch's one order over all ranks, so that
-it means the same for any number of processes, batch and accumulation.
+it means the same for any number of processes, batch and accumulation; an epoch resumed
+with another of these ends where an uninterrupted epoch of its shape ends, with a
+shorter last step where its full steps stop before that (:func:`.resume.epoch_rest`).
 """
 
 from __future__ import annotations
@@ -93,10 +95,15 @@ class Trainer:
     def batches_done(self, value: int) -> None:
         self.samples_done = value * self.cfg.batch_size * self.info.world_size
 
+    def epoch_rest(self) -> decide.EpochRest:
+        """How the rest of the epoch is trained from ``samples_done`` on: full steps, and
+        after a resume with another shape a shorter last one (resume.epoch_rest)."""
+        return decide.epoch_rest(self.samples_done, dataset_size=len(self.data.spec.train),
+                                 world_size=self.info.world_size, batch_size=self.cfg.batch_size,
+                                 accum_steps=self.cfg.accum_steps)
+
     def steps_left_in_epoch(self) -> int:
-        return decide.steps_left_in_epoch(self.samples_done, dataset_size=len(self.data.spec.train),
-                                          world_size=self.info.world_size, batch_size=self.cfg.batch_size,
-                                          accum_steps=self.cfg.accum_steps)
+        return self.epoch_rest().steps
 
     def _over(self) -> bool:
         """Whether the run has ended: at --epochs, or at --max-steps before it
@@ -179,13 +186,16 @@ class Trainer:
         saved = f"saved {self.checkpoints.last_path}; continue with --resume auto" if save else "nothing to save"
         raise Stopped(signum, f"stopped by {name} at step {self.step}: {saved}", announce=self.main)
 
-    def _loader(self, epoch: int):
+    def _loader(self, epoch: int, rest: decide.EpochRest):
+        """The micro-batches of the rest of ``epoch``: ``rest``'s full steps', then those of
+        its shorter last step."""
         cfg, spec = self.cfg, self.data.spec
         if cfg.task == "imagenet" and spec.train.transform is not None:
             spec.train.transform, spec.val.transform = data_mod.imagenet_transforms(build.image_size(cfg, epoch))
         self.data.train_sampler.set_epoch(epoch, self.samples_done)
+        sizes = [cfg.batch_size] * (rest.full_steps * cfg.accum_steps) + list(rest.last_step)
         return data_mod.make_loader(spec.train, self.data.train_sampler, cfg.batch_size, cfg.workers,
-                                    self.device.type == "cuda", drop_last=True)
+                                    self.device.type == "cuda", drop_last=True, batch_sizes=sizes)
 
     def _prepare(self, images: torch.Tensor) -> torch.Tensor:
         images = images.to(self.device, non_blocking=True).float().sub_(self.data.mean).div_(self.data.std)
@@ -196,35 +206,44 @@ class Trainer:
     def train_epoch(self) -> None:
         cfg = self.cfg
         epoch = self.epoch
-        rest = self.steps_left_in_epoch()
-        steps_left = rest if self.max_steps is None else min(rest, self.max_steps - self.step)
+        rest = self.epoch_rest()
+        note = decide.describe_rest(rest, epoch=epoch, samples_done=self.samples_done,
+                                    dataset_size=len(self.data.spec.train), world_size=self.info.world_size)
+        if note and self.main:  # a resume with another shape: once, on rank 0
+            (logger.warning if note[0] == "warning" else logger.info)("%s", note[1])
+        steps_left = rest.steps if self.max_steps is None else min(rest.steps, self.max_steps - self.step)
         show = self.main and cfg.progress and sys.stderr.isatty()
-        bar = tqdm(total=self.steps_per_epoch, initial=max(0, self.steps_per_epoch - rest), disable=not show,
+        bar = tqdm(total=self.steps_per_epoch, initial=max(0, self.steps_per_epoch - rest.steps), disable=not show,
                    desc=f"epoch {epoch + 1}/{self.epochs_shown}", dynamic_ncols=True, leave=False)
         self.model.train()
         epoch_start, epoch_loss, epoch_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
         window_start, window_loss, window_steps = time.perf_counter(), torch.zeros((), device=self.device), 0
-        batches = iter(self._loader(epoch))
+        epoch_samples = window_samples = 0
+        batches = iter(self._loader(epoch, rest))
         try:
-            for _ in range(steps_left):
-                loss = self.train_step(batches)
+            for i in range(steps_left):
+                shorter = i == rest.full_steps  # the shorter last step of a resume with another shape
+                loss = self.train_step(batches, rest.last_step) if shorter else self.train_step(batches)
+                step_samples = sum(rest.last_step) * self.info.world_size if shorter else self.samples_per_step
                 self.step += 1
-                self.samples_done += self.samples_per_step
+                self.samples_done += step_samples
                 comm = mdist.comm_stats(self.ddp)
                 comm = comm.pop_step() if comm is not None else {"allreduce_calls": 0, "allreduce_bytes": 0}
                 window_loss += loss
                 window_steps += 1
+                window_samples += step_samples
                 epoch_loss += loss
                 epoch_steps += 1
+                epoch_samples += step_samples
                 bar.update(1)
                 last = self._over()
                 if self.step % cfg.print_freq == 0 or last:
                     mean_loss = self._mean_across_ranks(window_loss / window_steps)
-                    rate = window_steps * self.samples_per_step / (time.perf_counter() - window_start)
+                    rate = window_samples / (time.perf_counter() - window_start)
                     self._log_step(mean_loss, rate, comm)
                     self.metrics.check()  # a metrics write that failed on the main process stops every rank now
                     bar.set_postfix(loss=f"{mean_loss:.4f}", scale=f"{self.opt.loss_scale:g}", img_s=f"{rate:.0f}")
-                    window_start, window_steps = time.perf_counter(), 0
+                    window_start, window_steps, window_samples = time.perf_counter(), 0, 0
                     window_loss = torch.zeros((), device=self.device)
                 if cfg.save_every and self.step % cfg.save_every == 0 and not last:
                     self.save()
@@ -237,31 +256,36 @@ class Trainer:
         epoch_loss = self._mean_across_ranks(epoch_loss / max(1, epoch_steps))
         if self.steps_left_in_epoch() == 0:
             self.epoch, self.samples_done = epoch + 1, 0
-        self._end_epoch(epoch, epoch_loss, time.perf_counter() - epoch_start,
-                        epoch_steps * self.samples_per_step)
+        self._end_epoch(epoch, epoch_loss, time.perf_counter() - epoch_start, epoch_samples)
 
-    def train_step(self, batches) -> torch.Tensor:
-        """One optimizer step over ``accum_steps`` micro-batches. Returns the mean loss
-        (a tensor on the device: no host sync here)."""
+    def train_step(self, batches, shorter: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One optimizer step over ``accum_steps`` micro-batches, or, for the shorter last
+        step of an epoch resumed with another shape, over micro-batches of the sizes
+        ``shorter`` (each one's loss weighted by its share of the step, so that the
+        gradient is the mean over the step's samples, as in any step). Returns the mean
+        loss (a tensor on the device: no host sync here)."""
         cfg = self.cfg
         self.opt.zero_grad()
         self._snapshot_buffers()
         total = torch.zeros((), device=self.device)
-        for micro in range(cfg.accum_steps):
+        micro_batches = cfg.accum_steps if shorter is None else len(shorter)
+        for micro in range(micro_batches):
             images, labels = next(batches)
             images, labels = self._prepare(images), labels.to(self.device, non_blocking=True)
             # Only the last micro-batch's backward allreduces: the others accumulate
             # locally under no_sync, so the wire carries one allreduce per step.
-            with mdist.sync_gradients(self.ddp, micro == cfg.accum_steps - 1):
+            with mdist.sync_gradients(self.ddp, micro == micro_batches - 1):
                 loss = nn.functional.cross_entropy(self.ddp(images).float(), labels,
                                                    label_smoothing=cfg.label_smoothing)
-                self.opt.backward(loss / cfg.accum_steps)
+                if shorter is not None:
+                    loss = loss * (len(labels) / sum(shorter))
+                self.opt.backward(loss / cfg.accum_steps if shorter is None else loss)
             total += loss.detach()
         if not self.opt.step():
             self._restore_buffers()
             self.last_skip = (self.step + 1, self.opt.last_overflow)  # the step this one is counted as
         self.sched.step()
-        return total / cfg.accum_steps
+        return total / cfg.accum_steps if shorter is None else total
 
     def _snapshot_buffers(self) -> None:
         """Keep the model's buffers (BatchNorm statistics) as they were before this

@@ -10,12 +10,13 @@ tested (tests/test_resume.py), on its own.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from ..errors import CheckpointError, UserError
 from .config import TrainConfig
 
 __all__ = ["pick_last", "earlier_run", "changed_settings", "judge_changes", "comm_state", "judge_inexact_comm_state",
-           "samples_done", "steps_left_in_epoch"]
+           "samples_done", "EpochRest", "epoch_rest", "steps_left_in_epoch", "describe_rest"]
 
 
 def pick_last(found: dict[str, int | None], own: str) -> str | None:
@@ -210,13 +211,112 @@ def samples_done(saved: dict, batch_size: int) -> int:
     return int(saved["batches_done"]) * int(config.get("batch_size", batch_size)) * int(processes)
 
 
+@dataclass(frozen=True)
+class EpochRest:
+    """How the rest of an epoch is trained (:func:`epoch_rest`)."""
+
+    full_steps: int  # steps of accum_steps micro-batches of batch_size on every process
+    last_step: tuple[int, ...]  # the micro-batches of one shorter last step, per process; () where there is none
+    untrained: int  # samples of the epoch's order after the last step: not trained in this epoch
+    tail: int  # what an uninterrupted epoch of this shape leaves untrained: dataset_size % samples per step
+    uneven: int  # of untrained beyond tail: the samples that split unevenly across processes (< world_size)
+    single: int  # ... and those of a micro-batch of one sample, not taken (0 or world_size)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps left in the epoch; 0: it is over."""
+        return self.full_steps + bool(self.last_step)
+
+
+def epoch_rest(samples_done: int, *, dataset_size: int, world_size: int, batch_size: int,
+               accum_steps: int) -> EpochRest:
+    """How the rest of an epoch is trained, from ``samples_done`` on (:func:`samples_done`):
+    each of ``world_size`` processes takes an equal share of the samples left
+    (:class:`mpfp16.train.data.ResumableDistributedSampler`), ``accum_steps``
+    micro-batches of ``batch_size`` a step.
+
+    The rule, the same for an uninterrupted epoch and a resumed one: with S samples a
+    step over all processes, an epoch of N samples ends at the order's sample
+    ``N - N % S``; its last ``N % S`` (``tail``, less than a step) are not trained in
+    that epoch (the next epoch's order is another), as with ``drop_last``. An
+    uninterrupted epoch, or one resumed with the same shape, gets there in full steps.
+    One resumed with another shape (processes, ``-b``, ``--accum-steps``; the position
+    is then not a whole number of its steps) takes full steps while the rest fills
+    one, and where that stops short of the end, one more, shorter step of the samples
+    before it: each process's equal share in micro-batches of at most ``batch_size``,
+    as even as possible. So nothing is left out only because of the resume, except:
+
+    - ``uneven``: the samples before the end that do not split evenly across the
+      processes (fewer than ``world_size``; the last step's gradient is the mean of
+      equal shares);
+    - ``single``: with ``batch_size`` above 1, a share that would put one sample in a
+      micro-batch gives up one sample per process (batch statistics of one sample:
+      BatchNorm refuses them in training where its feature map is 1x1).
+
+    ``untrained`` is ``tail + uneven + single`` when the rest reaches the end, and
+    what is left when the run had gone past it (trained with a smaller step), which
+    is less than ``tail``.
+    """
+    per_step = world_size * batch_size * accum_steps
+    rest = max(0, dataset_size - samples_done)
+    full_steps = rest // per_step
+    tail = dataset_size % per_step
+    before_end = rest - full_steps * per_step - tail  # the samples a full step cannot take before the end
+    share, uneven = (before_end // world_size, before_end % world_size) if before_end > 0 else (0, 0)
+    last_step, single = _micro_batches(share, batch_size), 0
+    if batch_size > 1 and last_step and min(last_step) < 2:
+        last_step, single = _micro_batches(share - 1, batch_size), world_size
+    untrained = rest - full_steps * per_step - sum(last_step) * world_size
+    return EpochRest(full_steps, last_step, untrained, tail, uneven, single)
+
+
+def _micro_batches(share: int, batch_size: int) -> tuple[int, ...]:
+    """``share`` samples in the fewest micro-batches of at most ``batch_size``, their sizes
+    as even as possible (the larger first)."""
+    if share <= 0:
+        return ()
+    count = -(-share // batch_size)
+    return tuple(share // count + (i < share % count) for i in range(count))
+
+
 def steps_left_in_epoch(samples_done: int, *, dataset_size: int, world_size: int, batch_size: int,
                         accum_steps: int) -> int:
-    """The optimizer steps that the rest of the epoch holds, from ``samples_done``
-    (:func:`samples_done`) on: each of ``world_size`` processes takes an equal share
-    of the samples left (:class:`mpfp16.train.data.ResumableDistributedSampler`), in
-    micro-batches of ``batch_size``, ``accum_steps`` of them a step. A rest that cannot
-    fill one more step of every process is not trained, as at the end of any epoch;
-    0 means the epoch is over."""
-    per_process = max(0, dataset_size - samples_done) // world_size
-    return per_process // batch_size // accum_steps
+    """The optimizer steps that the rest of the epoch holds, from ``samples_done`` on
+    (:func:`epoch_rest`); 0 means the epoch is over."""
+    return epoch_rest(samples_done, dataset_size=dataset_size, world_size=world_size, batch_size=batch_size,
+                      accum_steps=accum_steps).steps
+
+
+def describe_rest(rest: EpochRest, *, epoch: int, samples_done: int, dataset_size: int,
+                  world_size: int) -> tuple[str, str] | None:
+    """The line that says how a resumed epoch ends, where it differs from an uninterrupted
+    one of its shape (:func:`epoch_rest`): ``("info", line)`` for a shorter last step,
+    ``("warning", line)`` where samples are left out because of the resume, with their
+    count; None where it ends as an uninterrupted epoch does."""
+    extra = rest.uneven + rest.single
+    if not rest.last_step and not extra:
+        return None
+    at = f"epoch {epoch + 1} resumed at sample {samples_done} of {dataset_size}"
+    end, uninterrupted_end = dataset_size - rest.untrained, dataset_size - rest.tail
+    said = []
+    if rest.last_step:
+        share = sum(rest.last_step)
+        batches = "one micro-batch" if len(rest.last_step) == 1 else \
+            f"micro-batches of {', '.join(map(str, rest.last_step))}"
+        said.append(f"{rest.full_steps} full step{'s' * (rest.full_steps != 1)}, then a shorter last step of "
+                    f"{share * world_size} samples ({share} per process, in {batches}) up to sample {end}")
+    if not extra:
+        return "info", f"{at}: {said[0]}, where an uninterrupted epoch of this shape ends"
+    why = []
+    if rest.uneven:
+        why.append(f"{rest.uneven} that {_do(rest.uneven)} not split evenly across {world_size} processes")
+    if rest.single:
+        why.append(f"{rest.single} that would make micro-batches of one sample")
+    said.append(f"{rest.untrained} sample{'s' * (rest.untrained != 1)} of its order {_do(rest.untrained, 'are')} not "
+                f"trained in this epoch, {extra} more than an uninterrupted epoch of this shape leaves (it ends at "
+                f"sample {uninterrupted_end}): {' and '.join(why)}")
+    return "warning", f"{at}: {'; '.join(said)}"
+
+
+def _do(count: int, plural: str = "do") -> str:
+    return plural if count != 1 else {"do": "does", "are": "is"}[plural]
