@@ -44,6 +44,15 @@ def check_loss_scale(value, name: str = "loss_scale", say=None) -> float:
     return _f32(scale)
 
 
+def _shown(value) -> str:
+    """A state's value in an error line: short, and its type when it is not a number."""
+    if isinstance(value, (int, float, str, bool, type(None))):
+        text = repr(value)
+    else:
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _f32(x: float) -> float:
     """Round a Python float (a double) to the nearest fp32 value, as a C++
     ``static_cast<float>`` of a double does in GradScaler's update kernel."""
@@ -126,10 +135,55 @@ class LossScaler:
             "overflows_at_floor": self.overflows_at_floor,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state_dict(self, state: dict) -> None:
+        """Raise one line unless ``state`` is a state this scaler can be in: every key
+        of :meth:`state_dict`, a scale that is a normal finite fp32 number within this
+        scaler's range (a static one: any), and counters that are integers (not bools)
+        within their bounds: ``overflows_at_floor`` from 0 to ``stuck_after``, the count
+        that :class:`LossScaleStuckError` leaves. A checkpoint written before its fields
+        had checksums is checked by these rules alone (a flipped bit had resumed a scale
+        of 2**32 above ``max_scale`` 2**24). :meth:`load_state_dict` calls it first.
+
+        Raises:
+            ValueError: naming the field, what it holds and what it must be.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"loss scaler state_dict is a {type(state).__name__}, not a dict")
         missing = [k for k in self.state_dict() if k not in state]
         if missing:
             raise ValueError(f"loss scaler state_dict is missing {', '.join(missing)}")
+        scale = state["scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ValueError(f"the loss scaler's scale is {_shown(scale)}, not a number")
+        low, high = self._range()
+        try:
+            exact = math.isfinite(scale) and _f32(float(scale)) == scale
+        except OverflowError:  # an int beyond any float
+            exact = False
+        if not (exact and low <= scale <= high):
+            raise ValueError(f"the loss scaler's scale is {_shown(scale)}, and it must be a normal fp32 "
+                             f"number {self._range_words()}")
+        self._check_counter(state, "overflows_at_floor", self.stuck_after, f"stuck_after {self.stuck_after}")
+
+    def _range(self) -> tuple[float, float]:
+        """The scales this scaler can hold: a static one, any normal finite fp32."""
+        return _FP32_TINY, _FP32_MAX
+
+    def _range_words(self) -> str:
+        return f"from {_FP32_TINY:.4g} to {_FP32_MAX:.4g}"
+
+    @staticmethod
+    def _check_counter(state: dict, name: str, high: int, why: str) -> None:
+        """``state[name]`` must be an integer from 0 to ``high`` (``why`` says which setting bounds it)."""
+        value = state[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+            raise ValueError(f"the loss scaler's {name} is {_shown(value)}, and it must be an integer from "
+                             f"0 to {high} ({why})")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load what :meth:`state_dict` returned, once :meth:`check_state_dict` found
+        it a state this scaler can be in; nothing changes when it raises."""
+        self.check_state_dict(state)
         self._scale = _f32(float(state["scale"]))
         self.overflows_at_floor = int(state["overflows_at_floor"])
 
@@ -246,8 +300,32 @@ class DynamicLossScaler(LossScaler):
         state.update(growth_tracker=self.growth_tracker, hysteresis_tracker=self.hysteresis_tracker)
         return state
 
+    def check_state_dict(self, state: dict) -> None:
+        """:meth:`LossScaler.check_state_dict`, with this scaler's range
+        (``min_scale`` to ``max_scale``) and its trackers: ``growth_tracker`` from 0
+        to ``growth_interval - 1`` (it is reset on reaching it), ``hysteresis_tracker``
+        at most ``hysteresis``. The hysteresis tracker has no floor: each overflow
+        takes one off, below 0 once the budget is spent (every value <= 0 acts alike,
+        until a growth refills it), so a state of many overflows holds a negative one."""
+        super().check_state_dict(state)
+        self._check_counter(state, "growth_tracker", self.growth_interval - 1,
+                            f"below growth_interval {self.growth_interval}")
+        tracker = state["hysteresis_tracker"]
+        if isinstance(tracker, bool) or not isinstance(tracker, int) or tracker > self.hysteresis:
+            raise ValueError(f"the loss scaler's hysteresis_tracker is {_shown(tracker)}, and it must be an "
+                             f"integer of at most {self.hysteresis} (hysteresis)")
+
+    def _range(self) -> tuple[float, float]:
+        return self.floor, _FP32_MAX if self.max_scale is None else self.max_scale
+
+    def _range_words(self) -> str:
+        low, high = self._range()
+        low_words = f"{low!r} (min_scale)" if self.min_scale is not None else f"{low:.4g}"
+        high_words = f"{high!r} (max_scale)" if self.max_scale is not None else f"{high:.4g}"
+        return f"from {low_words} to {high_words}"
+
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+        super().load_state_dict(state)  # checks the whole state first
         self.growth_tracker = int(state["growth_tracker"])
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
 

@@ -83,3 +83,61 @@ def test_one_sweep_removes_the_unfinished_writes_of_both_formats(tmp_path):
     assert sorted(removed) == sorted([".last.pt.abc123.tmp", ".best.pt.x.tmp", ".last.dcp.1234.tmp",
                                       ".sharded-step3-ab.tmp", ".sharded-step4-cd.tmp"])
     assert sorted(os.listdir(tmp_path)) == ["last.dcp", "last.pt", "notes.tmp", "sharded-step2-ef", "sharded-step5-01"]
+
+
+# ------------------------------------------------------------------ issue 37, 2: checkpoints of earlier versions
+
+
+def _old_training_state(model, opt, step: int) -> dict:
+    """A training checkpoint as versions before the stores wrote one: its optimizer state
+    "mpfp16.FP16Optimizer/1", its scheduler stepped once per optimizer step."""
+    state = CW.training_state(model, opt, step)
+    state["scheduler"] = {**state["scheduler"], "last_epoch": step, "_step_count": step + 1}
+    return {**state, "optimizer": CW.as_old_flat(state["optimizer"])}
+
+
+@pytest.mark.parametrize("checksums", ["none", "tensors only"])
+def test_a_checkpoint_of_an_earlier_version_loads_and_its_damage_is_refused_by_the_rules(tmp_path, checksums):
+    """Written before checksums existed, or with the tensors' alone (algorithm /1): it
+    loads as it did, and a value outside the tensors that breaks its own rule is one line
+    naming the file (a step ahead of the scheduler had resumed; a scale of 2**32 over
+    max_scale 2**24 had been taken)."""
+    from mpfp16.checkpoint import file, integrity
+    from mpfp16.train.checkpointing import check_scaler_state, check_training_state
+
+    model, opt = CW.local_run(0)
+    CW.train(model, opt, 1)
+    state = {"format": checkpoint.FORMAT, **_old_training_state(model, opt, 1)}
+
+    def write(state: dict) -> str:
+        path = str(tmp_path / "last.pt")
+        if checksums == "none":
+            file.save_atomic(state, path, checksum=False)
+        else:
+            record = integrity.checksums(state)
+            torch.save({**state, integrity.KEY: {"algorithm": integrity.TENSORS_ONLY, "tensors": {
+                integrity._path(k): v for k, v in record["tensors"].items()}}}, path)
+        return path
+
+    def check(saved, path):
+        check_training_state(saved, path)
+        check_scaler_state(saved, path, other_opt.scaler)
+
+    other, other_opt = CW.local_run(1)
+    path = write(state)
+    loaded = checkpoint.read(path, other, other_opt, check=lambda s: check(s, path))
+    other.load_state_dict(loaded["model"])
+    other_opt.load_state_dict(loaded["optimizer"])
+    assert CW.differences(CW.snapshot(other, other_opt), CW.snapshot(model, opt)) == []
+    scaler = state["optimizer"]["scaler"]
+    for edited, expected in [
+        ({**state, "step": 2}, "its 'step' is 2 and its scheduler's last_epoch 1"),
+        ({**state, "scheduler": {**state["scheduler"], "base_lrs": [0.0]}}, "its scheduler's base_lrs[0] is 0.0"),
+        ({**state, "optimizer": {**state["optimizer"], "scaler": {**scaler, "scale": 2.0**32}}},
+         "the loss scaler's scale is 4294967296.0, and it must be a normal fp32 number from 1.0 (min_scale) to "
+         "16777216.0 (max_scale)"),
+    ]:
+        path = write(edited)
+        with pytest.raises(CheckpointError) as caught:
+            checkpoint.read(path, other, other_opt, check=lambda s: check(s, path))
+        assert str(caught.value).startswith(f"checkpoint {path} is damaged: {expected}"), str(caught.value)

@@ -1,24 +1,31 @@
 """Checkpoints that are damaged, hand-edited, or written to a full disk: one line naming
 the file and what is wrong, on every rank; and the start-of-run sweep removes only what
-an unfinished write left (issue 25, items 2, 5, 6, 9 and 11 b-d)."""
+an unfinished write left (issue 25, items 2, 5, 6, 9 and 11 b-d). Every field under the
+checksums, and the values' own rules for checkpoints without them (issue 37, item 2)."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import random
 import re
+import struct
 import subprocess
+import zipfile
 
 import pytest
 import torch
+import torch.nn as nn
 
 import checkpoint_workers as CW
 from dist_helpers import run_workers
 from fault_workers import run_cli
+import mpfp16
 from mpfp16 import checkpoint
 from mpfp16.checkpoint import dcp, file, integrity
 from mpfp16.errors import CheckpointError, UserError
+from mpfp16.train.checkpointing import check_continuation, check_scaler_state, check_training_state
 from mpfp16.train.metrics import MetricsWriter
 
 NO_SPACE = re.compile("no space left on device", re.I)
@@ -65,6 +72,60 @@ def named_tensor(error: str) -> str:
     return found.group(1)
 
 
+def training_state(model, opt, step: int) -> dict:
+    """CW.training_state, its scheduler at ``step`` as the engine leaves it (stepped once
+    per optimizer step; its multiplier is 1, so the learning rates are unchanged)."""
+    state = CW.training_state(model, opt, step)
+    state["scheduler"] = {**state["scheduler"], "last_epoch": step, "_step_count": step + 1}
+    return state
+
+
+def tiny_run(seed: int = 0):
+    """A 16-bit model of 7 tensors with fp32 masters and a dynamic loss scale, one step
+    taken: a real checkpoint whose pickle is small enough to flip bits of by the hundred."""
+    torch.manual_seed(seed)
+    model = mpfp16.to_half(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)))
+    opt = mpfp16.FP16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model)
+    opt.zero_grad()
+    opt.backward(model(torch.randn(3, 4)).float().sum())
+    opt.step()
+    return model, opt
+
+
+def same(a, b) -> bool:
+    """Equal values of the same types all the way down; tensors bit for bit (their dtype,
+    shape and bytes), floats by their 8 bytes."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                                b.contiguous().reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    return a == b
+
+
+def pickle_span(blob: bytes) -> tuple[int, int]:
+    """(start, length) of the pickle (``data.pkl``) in a torch.save zip."""
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    name_len, extra_len = struct.unpack("<HH", blob[info.header_offset + 26:info.header_offset + 30])
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def as_tensors_only(state: dict) -> dict:
+    """``state`` with its checksums as versions before fields wrote them (algorithm /1:
+    the tensors' sums alone, keyed by their paths' tuples)."""
+    record = integrity.checksums(state)
+    return {**state, integrity.KEY: {"algorithm": integrity.TENSORS_ONLY,
+                                     "tensors": {integrity._path(k): v for k, v in record["tensors"].items()}}}
+
+
 # ------------------------------------------------------------------ 6. a file
 
 
@@ -74,7 +135,7 @@ def saved_file(tmp_path_factory):
     model, opt = CW.local_run(0)
     CW.train(model, opt, 1)
     path = str(folder / "last.pt")
-    checkpoint.FILE.save(path, CW.training_state(model, opt, 1))
+    checkpoint.FILE.save(path, training_state(model, opt, 1))
     return path, model, opt
 
 
@@ -148,20 +209,283 @@ def test_the_checksums_add_up_over_any_split_of_a_tensor():
 # ------------------------------------------------------------------ 9. hand-edited fields of a file
 
 
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    model, opt = tiny_run()
+    path = str(tmp_path_factory.mktemp("tiny") / "last.pt")
+    checkpoint.FILE.save(path, training_state(model, opt, 1))
+    return path, model, opt
+
+
 @pytest.mark.parametrize("field,value", CW.EDITS, ids=[f"{f}={v!r}" for f, v in CW.EDITS])
-def test_a_hand_edited_file_is_one_line_naming_the_file_and_the_field(tmp_path, saved_file, field, value):
-    src, model, opt = saved_file
+def test_a_hand_edited_file_is_one_line_naming_the_file_and_the_field(tmp_path, tiny_file, field, value):
+    """Edited with the checksums kept, the checksums name the field; with checksums
+    written to match (on purpose), the training checkpoint's schema does."""
+    src, model, opt = tiny_file
     state = torch.load(src, weights_only=True)
     path = str(tmp_path / "last.pt")
     torch.save(CW.edited(state, field, value), path)  # by hand: the format marker and the checksums kept
     error = CW.schema_error(path, model, opt)
     assert error is not None and "\n" not in error
-    assert error.startswith(f"checkpoint {path} ") and (f"'{field}'" in error or f"tensor {field}." in error), error
+    assert error.startswith(f"checkpoint {path} ") and (f"field {field}" in error or f"tensor {field}." in error), error
+    edited = CW.edited({k: v for k, v in state.items() if k != integrity.KEY}, field, value)
+    torch.save({**edited, integrity.KEY: integrity.checksums(edited)}, path)  # the checksums of what it holds now
+    error = CW.schema_error(path, model, opt)
+    assert error is not None and "\n" not in error
+    assert error.startswith(f"checkpoint {path} ") and f"'{field}'" in error, error
 
 
 def test_the_complete_file_passes_the_schema(saved_file):
     path, model, opt = saved_file
     assert CW.schema_error(path, model, opt) is None
+
+
+# ------------------------------------------------------------------ issue 37, 2: every field under the checksums
+
+
+def test_every_flipped_bit_in_a_files_pickle_is_refused_in_one_line_or_changes_nothing(tiny_file, tmp_path):
+    """Bits of the pickle that holds every value but the tensors' bytes (1,500 flips in a
+    run's last.pt had loaded 374 changed values: the lr, the step, the loss scale):
+    160 of its 92,824 here, and every bit of its last 16 bytes (its last SETITEMS
+    opcodes and number: a flip there returned a dict from inside the checkpoint, the
+    checksums' own among them, as the whole), each loaded by mpfp16.checkpoint.file.load.
+    Each of the 92,824 was flipped once, in a run of its own: 5,500 load the same values,
+    and the other 87,324 are refused in one line."""
+    src, _, _ = tiny_file
+    blob = open(src, "rb").read()
+    start, length = pickle_span(blob)
+    clean = file.load(src)
+    rng = random.Random(37)
+    path = str(tmp_path / "last.pt")
+    refused = 0
+    flips = [(start + rng.randrange(length), rng.randrange(8)) for _ in range(160)]
+    flips += [(start + length - 1 - i, bit) for i in range(16) for bit in range(8)]
+    for offset, bit in flips:
+        flipped = bytearray(blob)
+        flipped[offset] ^= 1 << bit
+        with open(path, "wb") as f:
+            f.write(flipped)
+        try:
+            loaded = file.load(path)
+        except CheckpointError as exc:
+            assert path in str(exc) and "\n" not in str(exc), (offset, bit, str(exc))
+            refused += 1
+            continue
+        assert same(loaded, clean), (offset - start, bit, [k for k in clean if not same(loaded.get(k), clean[k])])
+    assert refused > 240  # most bits matter
+
+
+def test_a_changed_field_is_named_and_so_is_one_missing_or_added(tiny_file, tmp_path):
+    src, _, _ = tiny_file
+    state = torch.load(src, weights_only=True)
+    path = str(tmp_path / "last.pt")
+    cases = [
+        (("scheduler", "base_lrs"), [6.1e-6], "is corrupt: field scheduler.base_lrs does not match the checksum"),
+        (("step",), 2, "is corrupt: field step does not match the checksum"),
+        (("step",), 1.0, "is corrupt: field step does not match the checksum"),  # another type, an equal value
+        (("optimizer", "scaler", "scale"), 2.0**32, "is corrupt: field optimizer.scaler.scale does not match"),
+        (("model", "0.weight"), torch.zeros(0, 4, dtype=torch.float16), "is corrupt: tensor model.0.weight does"),
+        (("optimizer", "master_params", 0), torch.zeros(0), "is corrupt: tensor optimizer.master_params.0's dtype "
+                                                             "or shape does not match"),  # sums of 0, as recorded
+        (("config", "extra"), 1, "is corrupt: field config.extra has no checksum"),
+        (("epoch",), None, "is incomplete: field epoch, which was saved with it, is missing"),
+    ]
+    state["optimizer"]["master_params"][0] = torch.zeros(4, 4)  # all zero: its sums are 0, whatever its shape
+    state[integrity.KEY] = integrity.checksums({k: v for k, v in state.items() if k != integrity.KEY})
+    for where, value, expected in cases:
+        torch.save(_with(state, where, value), path)  # by hand, the checksums kept
+        with pytest.raises(CheckpointError) as caught:
+            file.load(path)
+        error = str(caught.value)
+        assert error.startswith(f"checkpoint {path} {expected}") and "\n" not in error, (where, error)
+
+
+def _with(state, path: tuple, value):
+    """A copy of ``state`` with ``path`` set to ``value`` (None: removed), the rest shared."""
+    head, *rest = path
+    out = dict(state) if isinstance(state, dict) else list(state)
+    if rest:
+        out[head] = _with(state[head], tuple(rest), value)
+    elif value is None and isinstance(out, dict):
+        del out[head]
+    else:
+        out[head] = value
+    return out
+
+
+def test_the_record_shares_no_object_with_the_state(tiny_file):
+    """Pickle writes an object once and refers to it after: a record keyed by the
+    state's own key strings had one flipped bit rename a field and its entry alike
+    ('format' -> 'fopmat' loaded, and verified)."""
+    src, _, _ = tiny_file
+    state = file.load(src)
+    record = state.pop(integrity.KEY)
+    ids = set()
+
+    def objects(obj):
+        ids.add(id(obj))
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                objects(k)
+                objects(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                objects(v)
+
+    objects(state)
+    fresh = integrity.checksums(state)
+    shared = [k for k in (*fresh["tensors"], *fresh["fields"]) if id(k) in ids and not isinstance(k, int)]
+    assert shared == [] and set(fresh["fields"]) == set(record["fields"])
+
+
+def test_a_record_renamed_or_emptied_is_not_taken_for_a_checkpoint_without_checksums(tiny_file, tmp_path):
+    src, _, _ = tiny_file
+    state = torch.load(src, weights_only=True)
+    path = str(tmp_path / "last.pt")
+    for edited, expected in [
+        ({**{k: v for k, v in state.items() if k != "checksums"}, "checksumr": state["checksums"]},
+         "its checksums are under 'checksumr', not 'checksums'"),
+        ({**state, "checksums": None}, "its 'checksums' entry is not a record of checksums"),
+        ({**state, "checksums": {**state["checksums"], "algorithm": "mpfp16.word-sumr/2"}},
+         "its checksums name the algorithm 'mpfp16.word-sumr/2', which no version wrote"),
+        ({**state, "checksums": {k: v for k, v in state["checksums"].items() if k != "fields"}},
+         "its 'checksums' entry (mpfp16.word-sums/2) has no record of its fields"),
+    ]:
+        torch.save(edited, path)
+        with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {path} is corrupt: {expected}")):
+            file.load(path)
+
+
+def test_a_checkpoint_of_tensor_checksums_alone_loads_and_its_values_are_checked_by_their_rules(tiny_file, tmp_path):
+    """Algorithm /1, as versions before fields wrote it: its tensors are verified, and
+    values outside them are checked by the training checkpoint's and the scaler's rules."""
+    src, model, opt = tiny_file
+    state = {k: v for k, v in torch.load(src, weights_only=True).items() if k != integrity.KEY}
+    path = str(tmp_path / "old.pt")
+    torch.save(as_tensors_only(state), path)
+    assert CW.schema_error(path, model, opt) is None
+    spans = CW.tensor_data_spans(open(path, "rb").read())
+    _, start, _ = next(s for s in spans if s[2] >= 8)
+    CW._flip(path, start, 0)
+    with pytest.raises(CheckpointError, match=f"checkpoint {re.escape(path)} is corrupt: tensor "):
+        file.load(path)
+    damaged = [
+        (_with(state, ("step",), 2), "its 'step' is 2 and its scheduler's last_epoch 1"),
+        (_with(state, ("scheduler", "base_lrs"), [-0.4]), "its scheduler's base_lrs[0] is -0.4"),
+        (_with(state, ("scheduler", "base_lrs"), [float("nan")]), "its scheduler's base_lrs[0] is nan"),
+        (_with(state, ("optimizer", "iteration"), 2), "its 'step' is 1 and its optimizer's iteration 2"),
+        (_with(state, ("optimizer", "skipped_steps"), 3), "its optimizer's skipped_steps is 3, more than the 1"),
+        (_with(state, ("optimizer", "scaler", "scale"), 2.0**32), "the loss scaler's scale is 4294967296.0"),
+        (_with(state, ("optimizer", "scaler", "growth_tracker"), True), "the loss scaler's growth_tracker is True"),
+    ]
+    for edited, expected in damaged:
+        torch.save(as_tensors_only(edited), path)
+        loaded = file.load(path)  # nothing to verify but the tensors
+        with pytest.raises(CheckpointError) as caught:
+            check_training_state(loaded, path)
+            check_scaler_state(loaded, path, opt.scaler)
+        error = str(caught.value)
+        assert error.startswith(f"checkpoint {path} is damaged: {expected}") and "\n" not in error, error
+
+
+def test_a_resume_with_the_same_settings_checks_the_rates_and_the_position_against_them():
+    """What a run of the settings the checkpoint was saved with can hold (check_continuation)."""
+    schedule = [lambda s: 0.5 ** s]
+    good = {"scheduler": {"base_lrs": [0.4], "last_epoch": 3}, "step": 3, "epoch": 1, "samples_done": 96,
+            "optimizer": {"optimizer": {"param_groups": [{"lr": 0.4 * 0.5 ** 3}]}}}
+    settings = dict(base_lrs=[0.4], multipliers=schedule, training_images=200, epochs=2, batch_size=16)
+    check_continuation(good, "run/last.pt", **settings)
+    for where, value, expected in [
+        (("scheduler", "base_lrs"), [6.1e-6], "its scheduler's base_lrs are [6.1e-06], and the settings it was saved "
+                                              "with give [0.4]"),
+        (("optimizer", "optimizer", "param_groups"), [{"lr": 0.4}], "its optimizer's param group 0 has lr 0.4, and "
+                                                                    "the schedule gives 0.05 at step 3"),
+        (("samples_done",), 208, "its position in the epoch is sample 208, beyond the 200 training images"),
+        (("epoch",), 3, "its 'epoch' is 3, beyond --epochs 2"),
+    ]:
+        with pytest.raises(CheckpointError) as caught:
+            check_continuation(_with(good, where, value), "run/last.pt", **settings)
+        assert str(caught.value) == f"checkpoint run/last.pt is damaged: {expected}"
+
+
+# ------------------------------------------------------------------ issue 37, 2: a DCP folder, on 1 rank
+
+
+def tiny_sharded_run(seed: int = 0):
+    import mpfp16.distributed as mdist
+
+    torch.manual_seed(seed)
+    model = mdist.shard(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)))
+    opt = mpfp16.FP16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model)
+    opt.zero_grad()
+    opt.backward(model(torch.randn(4, 8)).float().sum())
+    opt.step()
+    return model, opt
+
+
+def _load_error(load) -> str | None:
+    try:
+        load()
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_changed_byte_in_a_shard_file_is_one_line_naming_the_folder_the_tensor_and_the_file(one_process_group,
+                                                                                              tmp_path):
+    """Each chunk of a .distcp file is a torch.save of one tensor's piece. A changed byte
+    in its data fails the tensor's checksum; one in its framing (zip headers, pickle)
+    made DCP fail in torch's words alone ("'utf-8' codec can't decode byte 0x92",
+    "failed finding central directory"), naming neither the file nor the tensor.
+    A field of meta.pt is named too."""
+    import torch.distributed.checkpoint.filesystem  # noqa: F401  (.metadata's records)
+
+    model, opt = tiny_sharded_run()
+    path = str(tmp_path / "last.dcp")
+    checkpoint.DCP.save(path, training_state(model, opt, 1))
+    clean = dcp.load_whole(path)
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = dcp._MetadataUnpickler(f).load()
+    owner = {}  # byte of __0_0.distcp -> the tensor whose chunk holds it
+    for index, info in metadata.storage_data.items():
+        assert info.relative_path == "__0_0.distcp"
+        owner.update({i: index.fqn.strip("/").replace("/", ".") for i in range(info.offset, info.offset + info.length)})
+    data = {i for _, _, start, length in CW._dcp_spans(path) for i in range(start, start + length)}
+    shard = os.path.join(path, "__0_0.distcp")
+    blob = open(shard, "rb").read()
+    rng = random.Random(37)
+    framing = [i for i in sorted(owner) if i not in data]
+    reader = tiny_sharded_run(1)
+    named = 0
+    for offset in rng.sample(framing, 40) + rng.sample(sorted(data), 4):
+        with open(shard, "wb") as f:
+            f.write(blob[:offset] + bytes([blob[offset] ^ 0xFF]) + blob[offset + 1:])
+        whole = _load_error(lambda: same(dcp.load_whole(path), clean) or pytest.fail(f"byte {offset}: other values"))
+        into_shards = _load_error(lambda: checkpoint.read(path, *reader))
+        assert whole == into_shards, offset
+        if whole is None:
+            continue  # a byte that no reader looks at (a zip header's time stamp, say)
+        named += 1
+        assert whole.startswith(f"checkpoint {path} is corrupt: tensor {owner[offset]} (its data is in "
+                                "__0_0.distcp) ") and "\n" not in whole, (offset, offset in data, whole)
+    assert named >= 8  # the 4 in the data, and the framing bytes that a reader reads
+    with open(shard, "wb") as f:
+        f.write(blob)
+    meta = torch.load(os.path.join(path, dcp.META), weights_only=True)
+    meta["state"]["step"] = 2  # by hand, the checksums kept
+    torch.save(meta, os.path.join(path, dcp.META))
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {path} is corrupt: field step (in meta.pt) does "
+                                                        "not match the checksum saved with it")):
+        dcp.load_whole(path)
+    meta["state"]["step"] = 1
+    marker = meta["state"]["model"]["0.weight"]
+    marker["shapf"] = marker.pop("shape")  # a bit flipped in a key of the sharded tensor's record: a bare KeyError
+    torch.save(meta, os.path.join(path, dcp.META))
+    for load in (lambda: dcp.load_whole(path), lambda: checkpoint.read(path, *reader)):
+        with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {path} is corrupt: meta.pt's record of the "
+                                                            "sharded tensor model.0.weight (its shape and dtype) is "
+                                                            "damaged")):
+            load()
 
 
 # ------------------------------------------------------------------ the sharded format, on 2 ranks
@@ -229,10 +553,10 @@ def test_a_hand_edited_meta_pt_is_one_line_naming_it_and_the_field(sharded):
     _, (r0, r1) = sharded
     assert r0["edits"] == r1["edits"]
     assert len(r0["edits"]) == len(CW.DCP_EDITS)
-    for (field, _), error in r0["edits"].items():
+    for (field, _), error in r0["edits"].items():  # the checksums kept: they name the field, in meta.pt
         assert error is not None and "\n" not in error, field
-        assert f"'{field}'" in error or f"tensor {field}." in error, error
-        assert "last.dcp/meta.pt" in error or "last.dcp is incomplete: tensor rng.0.torch (of meta.pt)" in error, error
+        assert re.search(rf"last\.dcp is (corrupt|incomplete): (field|tensor) {field}\b.* \((in|of|its data is in) "
+                         r"meta\.pt\)", error), error
 
 
 @pytest.mark.slow  # its fixture launches a worker group
@@ -354,7 +678,8 @@ def test_the_script_on_a_full_disk_stops_every_rank_with_one_line(tmp_path):
 def test_the_script_keeps_a_copy_of_a_checkpoint_and_refuses_a_hand_edited_one(tmp_path, capsys):
     """A user's copy of a complete checkpoint folder, beside the run's, survives the next
     start and its saves; the start's line counts only the unfinished write it removed.
-    Then a meta.pt edited by hand (step="eight") is one line naming it and the field."""
+    Then a meta.pt edited by hand (step="eight") is one line naming it and the field: the
+    checksums', and with a digest written to match, the schema's."""
     import shutil
 
     import train_cifar
@@ -381,5 +706,50 @@ def test_the_script_keeps_a_copy_of_a_checkpoint_and_refuses_a_hand_edited_one(t
     torch.save(meta, meta_path)
     status, err = run_main(train_cifar.main, [*argv, "--max-steps", "3", "--resume", "auto"], capsys)
     assert status == 2 and "Traceback" not in err
+    assert err.strip() == (f"error: checkpoint {run / 'last.dcp'} is corrupt: field step (in meta.pt) does not match "
+                           "the checksum saved with it; restore the checkpoint from a copy, or resume from another one")
+    meta["state"][integrity.KEY]["fields"][repr(("step",))] = integrity.field_digest("eight")  # on purpose
+    torch.save(meta, meta_path)
+    status, err = run_main(train_cifar.main, [*argv, "--max-steps", "3", "--resume", "auto"], capsys)
+    assert status == 2 and "Traceback" not in err
     assert err.strip() == (f"error: checkpoint {run / 'last.dcp' / dcp.META} is damaged: its 'step' is 'eight', "
                            "and it must be an integer >= 0"), err
+
+
+@pytest.mark.slow
+def test_the_script_refuses_a_changed_learning_rate_step_or_loss_scale_in_one_line(tmp_path, capsys):
+    """Through train_cifar.py (issue 37, item 2): base_lrs 0.4 -> 6.1e-6 had resumed with
+    exit 0 and trained at 1/65,000 of the lr, and step 1 -> 2 with the scheduler still
+    at 1. With the checksums kept, they name the field; in a checkpoint of tensor
+    checksums alone (an earlier version's), the values' own rules refuse them, and a
+    loss scale of 2**32 over max_scale 2**24."""
+    import train_cifar
+    from run_helpers import run_main
+
+    run = tmp_path / "run"
+    argv = ["-a", "resnet9-w4", "-b", "16", "--synthetic-size", "200,40", "--precision", "fp16", "--no-progress",
+            "-p", "1", "--checkpoint-dir", str(run)]
+    status, err = run_main(train_cifar.main, [*argv, "--max-steps", "1"], capsys)
+    assert status == 0, err
+    path = run / "last.pt"
+    saved = torch.load(path, weights_only=True)
+    plain = {k: v for k, v in saved.items() if k != integrity.KEY}
+    lrs = saved["scheduler"]["base_lrs"]
+    cases = [
+        (_with(saved, ("scheduler", "base_lrs"), [6.1e-6] * len(lrs)),
+         "is corrupt: field scheduler.base_lrs does not match the checksum saved with it; restore the checkpoint "
+         "from a copy, or resume from another one"),
+        (as_tensors_only(_with(plain, ("scheduler", "base_lrs"), [6.1e-6] * len(lrs))),
+         f"is damaged: its scheduler's base_lrs are {[6.1e-6] * len(lrs)}, and the settings it was saved with give "
+         f"{lrs}"),
+        (as_tensors_only(_with(plain, ("step",), 2)),
+         "is damaged: its 'step' is 2 and its scheduler's last_epoch 1, and they must be equal (the scheduler steps "
+         "once per optimizer step)"),
+        (as_tensors_only(_with(plain, ("optimizer", "scaler", "scale"), 2.0**32)),
+         "is damaged: the loss scaler's scale is 4294967296.0, and it must be a normal fp32 number from 1.0 "
+         "(min_scale) to 16777216.0 (max_scale)"),
+    ]
+    for state, expected in cases:
+        torch.save(state, path)
+        status, err = run_main(train_cifar.main, [*argv, "--max-steps", "2", "--resume", "auto"], capsys)
+        assert status == 2 and err.strip() == f"error: checkpoint {path} {expected}", err

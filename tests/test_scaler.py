@@ -134,3 +134,68 @@ def test_bad_settings_are_refused(kw):
 def test_f32_rounding():
     assert _f32(0.1) == float(torch.tensor(0.1, dtype=torch.float32))
     assert _f32(3.0) == 3.0
+
+
+# ------------------------------------------------------------------ issue 37, 2: a state's own rules on load
+
+
+def _dynamic():
+    return mpfp16.DynamicLossScaler(init_scale=2.0**16, growth_interval=4, hysteresis=2, min_scale=1.0,
+                                    max_scale=2.0**24, stuck_after=3)
+
+
+@pytest.mark.parametrize("make,field,value,words", [
+    (_dynamic, "scale", 2.0**32, "scale is 4294967296.0, and it must be a normal fp32 number from 1.0 (min_scale) "
+                                 "to 16777216.0 (max_scale)"),
+    (_dynamic, "scale", 0.5, "scale is 0.5"),  # below min_scale
+    (_dynamic, "scale", 65536.00000000001, "scale is 65536.00000000001"),  # a double, not an fp32 number
+    (_dynamic, "scale", float("nan"), "scale is nan"),
+    (_dynamic, "scale", True, "scale is True, not a number"),
+    (_dynamic, "scale", "65536", "scale is '65536', not a number"),
+    (_dynamic, "growth_tracker", 4, "growth_tracker is 4, and it must be an integer from 0 to 3 (below "
+                                    "growth_interval 4)"),
+    (_dynamic, "growth_tracker", -1, "growth_tracker is -1"),
+    (_dynamic, "growth_tracker", 1.0, "growth_tracker is 1.0"),
+    (_dynamic, "growth_tracker", True, "growth_tracker is True"),
+    (_dynamic, "hysteresis_tracker", 3, "hysteresis_tracker is 3, and it must be an integer of at most 2"),
+    (_dynamic, "overflows_at_floor", 4, "overflows_at_floor is 4, and it must be an integer from 0 to 3 "
+                                        "(stuck_after 3)"),
+    (_dynamic, "overflows_at_floor", None, "overflows_at_floor is None"),
+    (lambda: mpfp16.LossScaler(128.0), "scale", 0.0, "scale is 0.0, and it must be a normal fp32 number from "
+                                                     "1.175e-38 to 3.403e+38"),
+    (lambda: mpfp16.LossScaler(128.0), "scale", float("inf"), "scale is inf"),
+    (lambda: mpfp16.LossScaler(128.0), "scale", 2.0**-130, "scale is 7.346839692639297e-40"),  # subnormal
+    (lambda: mpfp16.LossScaler(128.0), "overflows_at_floor", -1, "overflows_at_floor is -1"),
+])
+def test_a_state_the_scaler_cannot_be_in_is_one_line_and_changes_nothing(make, field, value, words):
+    """A checkpoint without checksums of its fields (written before them) is checked
+    by these rules alone: a flipped bit had resumed a scale of 2**32 over a max_scale of 2**24."""
+    scaler = make()
+    state = {**scaler.state_dict(), field: value}
+    before = scaler.state_dict()
+    with pytest.raises(ValueError) as caught:
+        scaler.load_state_dict(state)
+    assert str(caught.value).startswith(f"the loss scaler's {words}") and "\n" not in str(caught.value)
+    assert scaler.state_dict() == before
+
+
+def test_every_state_a_scaler_reaches_loads():
+    """The bounds are those of the states that updates reach: the hysteresis tracker
+    below 0 (each overflow past the budget takes one more off), the growth tracker one
+    short of the interval, and the count of overflows at the floor that raised
+    LossScaleStuckError, a scale at the floor and at the ceiling."""
+    scaler = _dynamic()
+    seen = []
+    rng = random.Random(3)
+    overflows = [False] * 40 + [rng.random() < 0.3 for _ in range(300)] + [True] * 40  # up to 2**24, down to 1
+    with pytest.raises(mpfp16.LossScaleStuckError):
+        for overflow in overflows:
+            scaler.update(overflow)
+            seen.append(scaler.state_dict())
+    seen.append(scaler.state_dict())
+    assert min(s["hysteresis_tracker"] for s in seen) < 0 and max(s["growth_tracker"] for s in seen) == 3
+    assert seen[-1]["overflows_at_floor"] == 3 and {1.0, 2.0**24} <= {s["scale"] for s in seen}
+    for state in seen:
+        other = _dynamic()
+        other.load_state_dict(state)
+        assert other.state_dict() == state

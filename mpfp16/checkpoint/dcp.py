@@ -25,10 +25,13 @@ only then removes the folder the link named before. A crash at any moment leaves
 link naming a complete checkpoint, the previous one until the swap. Whatever fails
 on any rank, every rank raises the same one-line :class:`CheckpointError`.
 
-**Checked on load.** Every checkpoint carries the checksums of its tensors
+**Checked on load.** Every checkpoint carries the checksums of its whole state
 (:mod:`.integrity`, the same function as the file format's): each rank sums the shards
-it writes, and at load each rank sums the shards it read, of whatever sharding; one
-changed bit is one line naming the folder, the tensor and the files that hold it.
+it writes, and at load each rank sums the shards it read, of whatever sharding, and
+every other value in ``meta.pt`` has its digest; one changed bit is one line naming
+the folder, the tensor or field and the file that holds it. A shard that DCP cannot
+read at all (a changed byte in the ``torch.save`` framing of its chunk) is found
+by reading each chunk on its own, and named the same way.
 
 **No code runs on load.** DCP reads its ``.metadata`` with ``pickle`` and its
 non-tensor items with ``torch.load(weights_only=False)``. Here ``.metadata`` is read
@@ -53,6 +56,7 @@ from ..errors import CheckpointError, one_line
 from ..parallel.base import broadcast_object, failures, get_rank, get_world_size, raise_first
 from ..parallel.fsdp_shim import is_sharded
 from ..serialization import fsync_dir, load_weights_only, write_failure
+from . import file as file_format
 from . import integrity
 
 __all__ = ["FORMAT", "META", "save", "load", "load_whole", "inspect", "link", "is_checkpoint", "read_meta",
@@ -314,11 +318,27 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused(f"{module}.{name}")
 
 
+def _check_markers(path: str, markers: dict) -> None:
+    """Raise one line unless every marker of ``meta.pt`` names its sharded tensor, a
+    shape (a list of integers >= 0) and a torch dtype: a damaged one (a key renamed
+    by a flipped bit) raised a bare KeyError at load."""
+    for key, marker in markers.items():
+        shape, dtype = marker.get("shape"), marker.get("dtype")
+        if not (isinstance(key, str) and isinstance(shape, list)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+                and isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)):
+            name = integrity.display(tuple(k for k in key.split("/") if k)) if isinstance(key, str) else repr(key)
+            raise CheckpointError(f"checkpoint {path} is corrupt: {META}'s record of the sharded tensor {name[:80]} "
+                                  "(its shape and dtype) is damaged; restore the checkpoint from a copy, or resume "
+                                  "from another one")
+
+
 def _check_metadata(path: str, markers: dict):
     """Read DCP's ``.metadata`` safely and check it lists exactly the tensors of
     ``markers``, with their shapes and dtypes. Returns it."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+    _check_markers(path, markers)
     file = os.path.join(path, ".metadata")
     try:
         with open(file, "rb") as f:
@@ -361,18 +381,60 @@ def _data_files(metadata, fqn: str | None = None) -> set[str]:
 
 
 def _verify(path: str, state: dict, metadata) -> str | None:
-    """The line that says which tensor of ``state`` (as read) does not match the
-    checksums saved with it, naming the files that hold it; None when all match or
-    the checkpoint carries none. A collective when ``state`` holds DTensors."""
+    """The line that says which tensor or field of ``state`` (as read) does not match
+    the checksums saved with it, naming the files that hold it (a field: meta.pt);
+    None when all match or the checkpoint carries none. A collective when ``state``
+    holds DTensors."""
     saved = state.get(integrity.KEY)
     if saved is None:
-        return None
+        return integrity.misplaced(state, path)
 
     def files(where: tuple) -> list[str]:
         held = sorted(_data_files(metadata, "".join(f"/{k}" for k in where)))
         return held or [META]
 
     return integrity.mismatch(integrity.checksums(state), saved, path, files)
+
+
+def _damaged_chunk(path: str, metadata) -> str | None:
+    """After DCP failed to read the checkpoint ``path``: the line naming the first
+    chunk of a shard file that does not read on its own (``torch.load`` of its bytes,
+    weights_only), or not as the piece of its tensor that ``.metadata`` says it is
+    (dtype and shape), with its tensor and file; None when every chunk reads (the
+    failure is elsewhere). A changed byte in a chunk's ``torch.save`` framing (its
+    zip headers, its pickle) makes DCP's read fail with torch's words alone, on every
+    rank, naming neither the file nor the tensor."""
+    entries = metadata.state_dict_metadata
+    storage = getattr(metadata, "storage_data", None) or {}
+    for index, info in sorted(storage.items(), key=lambda kv: (str(kv[1].relative_path), kv[1].offset)):
+        if getattr(info, "transform_descriptors", None):  # not written by this module: its bytes are not a torch.save
+            return None
+        why = None
+        try:
+            with open(os.path.join(path, info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                blob = f.read(info.length)
+            if len(blob) != info.length:
+                why = f"it is cut short ({len(blob)} of {info.length} bytes)"
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    piece = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+                md = entries.get(index.fqn)
+                chunk = next((c for c in getattr(md, "chunks", ()) if list(c.offsets) == list(index.offset or ())),
+                             None)
+                if not isinstance(piece, torch.Tensor):
+                    why = f"it holds a {type(piece).__name__}, not a tensor"
+                elif chunk is not None and (piece.dtype, list(piece.shape)) != (md.properties.dtype, list(chunk.sizes)):
+                    why = (f"it holds a {str(piece.dtype).replace('torch.', '')} {list(piece.shape)} piece where "
+                           f".metadata says {str(md.properties.dtype).replace('torch.', '')} {list(chunk.sizes)}")
+        except Exception as exc:  # whatever torch's reader raises on damaged bytes
+            why = one_line(exc)
+        if why is not None:
+            name = integrity.display(tuple(k for k in index.fqn.split("/") if k))
+            return (f"checkpoint {path} is corrupt: tensor {name} (its data is in {info.relative_path}) does not "
+                    f"read: {why}; restore the checkpoint from a copy, or resume from another one")
+    return None
 
 
 def _reader(path: str, metadata):
@@ -398,6 +460,7 @@ def read_meta(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is a file, not a sharded checkpoint folder")
     meta = load_weights_only(os.path.join(path, META))
+    file_format.check_structure(os.path.join(path, META))
     if meta.get("format") != FORMAT or not isinstance(meta.get("state"), dict):
         raise CheckpointError(f"{path} is not an mpfp16 sharded checkpoint (no 'format': '{FORMAT}' in {META})")
     return meta
@@ -432,7 +495,8 @@ def load(path: str, targets: dict | None = None, mesh=None, verify: bool = True)
         CheckpointError: one line, on every rank: the folder is missing or incomplete
             (a shard file missing: named), ``meta.pt`` is not a checkpoint,
             ``.metadata`` is truncated or holds anything but DCP's records of tensors,
-            the tensors do not fit, or one does not match its checksum (named, with
+            the tensors do not fit, a chunk of a shard file does not read (named, with
+            its tensor), or a tensor or field does not match its checksum (named, with
             the files that hold it).
     """
     import torch.distributed.checkpoint as dcp
@@ -469,8 +533,8 @@ def load(path: str, targets: dict | None = None, mesh=None, verify: bool = True)
     try:
         with torch.no_grad():
             dcp.load(buffers, storage_reader=_reader(path, metadata))
-    except DCP_ERRORS as exc:
-        error = f"checkpoint {path} does not load: {_dcp_error(exc)}"
+    except DCP_ERRORS as exc:  # every rank: DCP gathers the failures
+        error = _damaged_chunk(path, metadata) or f"checkpoint {path} does not load: {_dcp_error(exc)}"
     _agree(error)
     state = _join(meta["state"], buffers)
     if verify:
@@ -499,7 +563,8 @@ def load_whole(path: str, verify: bool = True) -> dict:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist says so already
             dcp.load(buffers, storage_reader=_reader(path, metadata), no_dist=True)
     except DCP_ERRORS as exc:
-        raise CheckpointError(f"checkpoint {path} does not load: {_dcp_error(exc)}") from None
+        raise CheckpointError(_damaged_chunk(path, metadata)
+                              or f"checkpoint {path} does not load: {_dcp_error(exc)}") from None
     state = _join(meta["state"], buffers)
     error = _verify(path, state, metadata) if verify else None
     if error is not None:

@@ -5,17 +5,20 @@ can read it and a checkpoint file can never run code. Writing goes to a temporar
 file in the same folder, which is flushed and fsync'ed and then renamed over the
 target: a crash at any moment leaves either the old checkpoint or the new one,
 never a torn file; a full disk is one line that says so, and the earlier file stays.
-Every file carries the checksums of its tensors (:mod:`.integrity`), which
-:func:`load` verifies. (:mod:`mpfp16.checkpoint` chooses this format for a model
-that is not sharded, and reads it into either layout.)
+Every file carries the checksums of its whole content (:mod:`.integrity`: each
+tensor's sums, each other value's digest), which :func:`load` verifies, once it
+found the pickle whole (:func:`check_structure`). (:mod:`mpfp16.checkpoint` chooses
+this format for a model that is not sharded, and reads it into either layout.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import pickletools
 import shutil
 import tempfile
+import zipfile
 
 import torch
 
@@ -23,7 +26,7 @@ from ..errors import CheckpointError, one_line
 from ..serialization import fsync_dir, load_weights_only, write_failure
 from . import integrity
 
-__all__ = ["save_atomic", "copy_atomic", "load", "digest", "is_unfinished"]
+__all__ = ["save_atomic", "copy_atomic", "load", "check_structure", "digest", "is_unfinished"]
 
 
 def _write_atomic(path: str, write) -> None:
@@ -65,7 +68,8 @@ def is_unfinished(name: str) -> bool:
 
 def save_atomic(obj: dict, path: str, checksum: bool = True) -> None:
     """``torch.save(obj, path)``, atomically (module docstring), with the checksums of
-    ``obj``'s tensors under ``"checksums"`` (:mod:`.integrity`; one it had is replaced).
+    ``obj``'s tensors and other values under ``"checksums"`` (:mod:`.integrity`; one
+    it had is replaced).
     ``checksum=False`` writes none (to measure what they cost).
 
     Raises:
@@ -86,20 +90,94 @@ def copy_atomic(src: str, dst: str) -> None:
 def load(path: str, map_location="cpu", verify: bool = True) -> dict:
     """Read a checkpoint with ``torch.load(weights_only=True)``
     (:func:`mpfp16.serialization.load_weights_only`) and verify the checksums it
-    carries (a file written before them carries none: nothing to verify).
+    carries (a file written before them carries none: nothing to verify; one of
+    :data:`.integrity.TENSORS_ONLY` has its tensors verified).
 
     Raises:
         CheckpointError: the file is missing, truncated or corrupt, holds pickled
-            Python objects (refused, never executed), is not a dict, or a tensor
-            does not match its checksum (the line names it).
+            Python objects (refused, never executed), is not a dict, or a tensor or
+            another field does not match its checksum (the line names it).
     """
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} is a folder: pass a checkpoint file such as "
                               f"{os.path.join(path, 'last.pt')}, or --resume auto with --checkpoint-dir {path}")
     state = load_weights_only(path, map_location)
     if verify:
+        check_structure(path)
         integrity.verify(state, state.get(integrity.KEY), path)
     return state
+
+
+def _balanced(data: bytes) -> bool:
+    """Whether the pickle ``data`` ends as one that was written whole does: every
+    MARK closed, and one object on the stack at STOP, from the opcodes' own stack
+    effects (:mod:`pickletools`; nothing is built)."""
+    mark = pickletools.markobject
+    depth, marks = 0, []
+    for op, _, _ in pickletools.genops(data):
+        before, after = op.stack_before, op.stack_after
+        if mark in after:  # MARK
+            marks.append(depth)
+            continue
+        if mark in before:  # takes what is above the mark, and what it says lies below
+            if not marks:
+                return False
+            depth = marks.pop() - before.index(mark)
+        else:
+            depth -= len(before)
+        if depth < 0:
+            return False
+        if op.name == "STOP":
+            return depth == 0 and not marks
+        depth += len(after)
+    return False
+
+
+def _stored_pickle(path: str) -> bytes | None:
+    """The bytes of ``data.pkl`` in the torch.save zip at ``path``, as stored: read at
+    its place, not through :mod:`zipfile`, which refuses an entry whose CRC-32 does not
+    match (torch's reader does not check it), so that what torch unpickled is what is
+    checked. None when the file is not such a zip."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            info = next((i for i in z.infolist() if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1),
+                        None)
+        if info is None or info.compress_type != zipfile.ZIP_STORED:
+            return None
+        with open(path, "rb") as f:
+            f.seek(info.header_offset)
+            header = f.read(30)
+            if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                return None
+            f.seek(info.header_offset + 30 + int.from_bytes(header[26:28], "little")
+                   + int.from_bytes(header[28:30], "little"))
+            return f.read(info.file_size)
+    except (OSError, zipfile.BadZipFile, ValueError, RuntimeError):
+        return None
+
+
+def check_structure(path: str) -> None:
+    """Raise one line unless the pickle of the torch.save file at ``path`` (its
+    ``data.pkl``; a file of torch's legacy format is not checked) is well formed
+    (:func:`_balanced`). The unpickler returns whatever is on top of its stack at
+    STOP: one flipped bit near the end of the pickle (a SETITEMS opcode, the length
+    of the last number) left the checkpoint's dict unfinished and returned an object
+    inside it, the checksums' own record among them, which reads as a dict written
+    before checksums, and verified.
+
+    Raises:
+        CheckpointError: naming the file.
+    """
+    data = _stored_pickle(path)
+    if data is None:
+        return  # not a zip of torch's (its legacy format): torch.load read it, and nothing more is known of it
+    try:
+        whole = _balanced(data)
+    except ValueError:  # an opcode pickle does not know, or an argument cut short
+        whole = False
+    if not whole:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its pickle (data.pkl) is not one object written "
+                              "whole; restore the checkpoint from a copy, or resume from another one")
 
 
 def digest(path: str) -> str:

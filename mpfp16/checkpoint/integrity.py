@@ -1,11 +1,13 @@
-"""Per-tensor checksums, written with every checkpoint of either format and verified
-when it is read: one changed bit in any tensor is one line naming the file and the
-tensor, never a run that resumes from corrupt numbers.
+"""Checksums of the whole checkpoint, written with every checkpoint of either format
+and verified when it is read: one changed bit anywhere in its content, a tensor or
+any other value, is one line naming the file and the place, never a run that
+resumes from corrupt numbers or a changed step, learning rate or loss scale.
 
-    sums = checksums(state)           # {"algorithm", "tensors": {("model", "0.weight"): (plain, weighted), ...}}
+    sums = checksums(state)   # {"algorithm", "tensors": {"('model', '0.weight')": (plain, weighted), ...},
+                              #  "fields": {"('step',)": digest, "('model', '0.weight')": digest, ...}}
     verify(state, sums, "run/last.pt")
 
-**What is summed.** A tensor's bytes, in its logical (row-major) order, read as
+**Tensors.** A tensor's bytes, in its logical (row-major) order, read as
 little-endian 64-bit words (the last one padded with zero bytes): their sum, and their
 sum weighted by row (rows of 256 words, weight = row + 1), both modulo 2**64: the
 replica check's two sums (:func:`mpfp16.parallel.replicas.tensor_checksum`: exact
@@ -16,16 +18,41 @@ any split of a tensor into byte ranges add to the whole tensor's. That is what l
 DCP folder be checked whatever the world size that reads it: each rank sums its own
 shard at its place in the tensor, and the ranks' sums are added.
 
-**What it catches.** One changed bit changes one word by ``±2**k`` (k < 64), which is
-never 0 modulo 2**64: the plain sum always moves. The weighted sum also catches words
-swapped between rows. It is a check against corruption, not a signature: someone who
-edits a file on purpose can write matching sums.
+One changed bit changes one word by ``±2**k`` (k < 64), which is never 0 modulo
+2**64: the plain sum always moves. The weighted sum also catches words swapped
+between rows.
+
+**Fields** (algorithm ``/2``). Every leaf of the state's nested dicts, lists and
+tuples, keyed by its place: a tensor (its dtype and shape, which its sums do not
+cover: a zero tensor cut to shape ``[0]`` sums to 0 too), a number, a string,
+None, an empty dict or list, or a list or tuple that holds only such scalars (one
+leaf: ``scheduler.base_lrs``, Python's RNG state). Each is written as its type's
+name and its exact value (a float by its 8 bytes) and hashed to 64 bits
+(blake2b), so that a value read back with ``torch.load(weights_only=True)`` gives
+the digest it was saved with, and another value, another type (``1`` for ``1.0``
+or ``True``), a field gone or one added does not. The record itself (``state[KEY]``)
+is left out of what it covers. Its entries are keyed by ``repr`` of each place's
+tuple of keys and indices, new strings: pickle writes an object once and refers to
+it after, so a record that held the state's own key strings would have one flipped
+bit rename a field and its entry alike (:func:`_key`). What makes the pickle return
+another object than the one written (:func:`mpfp16.checkpoint.file.check_structure`)
+is the readers' to refuse.
+
+These are checks against corruption, not a signature: someone who edits a file on
+purpose can write matching sums.
 
 Checkpoints written before checksums existed have none: nothing is verified, and
-nothing is said.
+nothing is said. Those written with algorithm ``/1`` (tensors only) have their
+tensors verified, and their other values are checked by the readers' own rules
+alone (:func:`mpfp16.train.checkpointing.check_training_state`, the loss scaler's).
 """
 
 from __future__ import annotations
+
+import ast
+import hashlib
+import re
+import struct
 
 import torch
 
@@ -33,9 +60,12 @@ from ..errors import CheckpointError
 from ..parallel.base import all_gather_object
 from ..parallel.fsdp_shim import is_sharded
 
-__all__ = ["ALGORITHM", "KEY", "checksums", "verify", "mismatch", "tensor_sums", "piece_sums", "display"]
+__all__ = ["ALGORITHM", "TENSORS_ONLY", "KEY", "checksums", "verify", "mismatch", "misplaced", "tensor_sums",
+           "piece_sums", "field_digest", "fields", "display"]
 
-ALGORITHM = "mpfp16.word-sums/1"
+ALGORITHM = "mpfp16.word-sums/2"  # the tensors' sums and every field's digest
+TENSORS_ONLY = "mpfp16.word-sums/1"  # what earlier versions wrote: the tensors' sums alone
+_NAMED = re.compile(r"mpfp16\.word-sums/(\d+)")
 KEY = "checksums"  # where a checkpoint keeps them
 _ROW = 256  # words per row of the weighted sum
 _MASK = (1 << 64) - 1
@@ -155,15 +185,97 @@ def display(path: tuple) -> str:
     return ".".join(str(k) for k in path)
 
 
+# ------------------------------------------------------------------ fields
+
+
+def _is_scalar(value) -> bool:
+    return not isinstance(value, (torch.Tensor, dict, list, tuple))
+
+
+def _leaves(obj, path: tuple, out: list) -> None:
+    """``(path, value)`` of every field of ``obj`` (module docstring): a tensor, a
+    scalar, an empty dict, or a list or tuple of scalars only (empty included)."""
+    if isinstance(obj, dict) and obj:
+        for key, value in obj.items():
+            if not (path == () and key == KEY):
+                _leaves(value, path + (key,), out)
+    elif isinstance(obj, (list, tuple)) and not all(_is_scalar(v) for v in obj):
+        for i, value in enumerate(obj):
+            _leaves(value, path + (i,), out)
+    else:
+        out.append((path, obj))
+
+
+def _encode(value) -> str:
+    """``value`` as its type's name and its exact value: the same string for a value
+    and what ``torch.load(weights_only=True)`` reads back of it, and another for any
+    other value or type."""
+    kind = type(value)
+    if isinstance(value, torch.Tensor):  # its bytes are the sums' (tensor_sums)
+        return f"Tensor {str(value.dtype).replace('torch.', '')} {list(value.shape)}"
+    if kind is float:  # its 8 bytes: -0.0 is not 0.0, and one NaN is not another
+        return "float " + struct.pack("<d", value).hex()
+    if kind in (int, bool, type(None)):
+        return f"{kind.__name__} {value!r}"
+    if kind is str:
+        return "str " + repr(value)
+    if kind in (bytes, bytearray):
+        return f"{kind.__name__} {bytes(value).hex()}"
+    if kind is complex:
+        return "complex " + struct.pack("<dd", value.real, value.imag).hex()
+    if isinstance(value, (list, tuple)):  # torch.Size included, by its name
+        return f"{kind.__qualname__} [{', '.join(_encode(v) for v in value)}]"
+    if isinstance(value, dict):  # an empty one: a leaf (_leaves)
+        return f"{kind.__qualname__} {{}}"
+    return f"{kind.__module__}.{kind.__qualname__} {value!r}"  # torch.dtype, torch.device, ...
+
+
+def field_digest(value) -> int:
+    """The 64-bit digest of one field's value (:func:`_encode`, hashed with blake2b)."""
+    text = _encode(value).encode("utf-8", "backslashreplace")
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def fields(state: dict) -> dict:
+    """``{path: digest}`` of every field of ``state`` (tensors by dtype and shape),
+    this process alone (a DTensor's shape is the whole tensor's)."""
+    found: list = []
+    _leaves(state, (), found)
+    return {path: field_digest(value) for path, value in found}
+
+
+# ------------------------------------------------------------------ the record
+
+
+def _key(path: tuple) -> str:
+    """A place as the record keys it: ``repr(path)``, a new string. Keyed by the
+    path's tuple, the record would hold the state's own key objects, which pickle
+    writes once and refers to: one flipped bit in a key would rename the field and
+    its record's entry alike, and the renamed field would verify."""
+    return repr(path)
+
+
+def _path(key) -> tuple | None:
+    """The path of a record's key (a :func:`_key`, or the tuple that algorithm /1 used)."""
+    if isinstance(key, tuple):
+        return key
+    try:
+        path = ast.literal_eval(key) if isinstance(key, str) else None
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return path if isinstance(path, tuple) else None
+
+
 def checksums(state: dict) -> dict:
-    """Every tensor's two sums, keyed by its place in ``state`` (a tuple of keys and
-    indices). A collective when ``state`` holds DTensors (every rank of their mesh
-    calls it with the same structure: one small all-gather per mesh); else this
-    process alone.
+    """Every tensor's two sums and every field's digest, keyed by its place in
+    ``state`` (``repr`` of its tuple of keys and indices: :func:`_key`). A collective
+    when ``state`` holds DTensors (every rank of their mesh calls it with the same
+    structure: one small all-gather per mesh); else this process alone.
 
     Returns:
-        ``{"algorithm": ALGORITHM, "tensors": {path: (plain, weighted)}}``, plain
-        integers that ``torch.load(weights_only=True)`` reads.
+        ``{"algorithm": ALGORITHM, "tensors": {key: (plain, weighted)}, "fields":
+        {key: digest}}``, plain strings and integers that
+        ``torch.load(weights_only=True)`` reads, none of them an object of ``state``.
     """
     tensors: list = []
     _walk(state, (), tensors)
@@ -182,7 +294,8 @@ def checksums(state: dict) -> dict:
         every = all_gather_object(mine, group=mesh.get_group())
         for i, (path, _) in enumerate(pieces):
             sums[path] = (sum(rank[i][0] for rank in every) & _MASK, sum(rank[i][1] for rank in every) & _MASK)
-    return {"algorithm": ALGORITHM, "tensors": {path: sums[path] for path, _ in tensors}}
+    return {"algorithm": ALGORITHM, "tensors": {_key(path): sums[path] for path, _ in tensors},
+            "fields": {_key(path): digest for path, digest in fields(state).items()}}
 
 
 def _to_host(found: dict) -> dict:
@@ -197,49 +310,115 @@ def _to_host(found: dict) -> dict:
     return {path: out[path] for path in found}
 
 
+_RESTORE = "restore the checkpoint from a copy, or resume from another one"
+
+
+def _unreadable(saved, where: str) -> str | None:
+    """The line that says ``saved`` is no record that this version can verify, or
+    None when it is one (of :data:`ALGORITHM` or :data:`TENSORS_ONLY`)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("tensors"), dict):
+        return f"checkpoint {where} is corrupt: its {KEY!r} entry is not a record of checksums"
+    algorithm = saved.get("algorithm")
+    if algorithm == ALGORITHM:
+        if not isinstance(saved.get("fields"), dict):
+            return f"checkpoint {where} is corrupt: its {KEY!r} entry ({ALGORITHM}) has no record of its fields"
+        return None
+    if algorithm == TENSORS_ONLY:
+        return None
+    named = _NAMED.fullmatch(algorithm) if isinstance(algorithm, str) else None
+    if named and int(named.group(1)) > int(_NAMED.fullmatch(ALGORITHM).group(1)):  # a later version's
+        return (f"checkpoint {where} was written with checksums {algorithm!r}, which this version cannot verify "
+                f"(it knows {ALGORITHM!r} and {TENSORS_ONLY!r})")
+    return (f"checkpoint {where} is corrupt: its checksums name the algorithm {algorithm!r}, which no version "
+            f"wrote; {_RESTORE}")
+
+
 def mismatch(computed: dict, saved, where: str, files=None) -> str | None:
     """The line that says how ``computed`` (:func:`checksums` of what was read) differs
     from ``saved`` (what the checkpoint recorded; None when it recorded nothing, which
-    is not checked), or None when they agree.
+    is not checked), or None when they agree. A record of :data:`TENSORS_ONLY` has
+    its tensors compared, and nothing else.
 
     Args:
         where: the checkpoint, for the message.
-        files: optional ``path -> [file names]`` that hold a tensor's data, for the message.
+        files: optional ``path -> [file names]`` that hold a tensor's data or a
+            field, for the message.
     """
     if saved is None:
         return None
-    if not isinstance(saved, dict) or not isinstance(saved.get("tensors"), dict):
-        return f"checkpoint {where} is corrupt: its {KEY!r} entry is not a record of checksums"
-    if saved.get("algorithm") != ALGORITHM:
-        return (f"checkpoint {where} was written with checksums {saved.get('algorithm')!r}, which this version "
-                f"cannot verify (it knows {ALGORITHM!r})")
-    recorded = saved["tensors"]
-    for path, sums in computed["tensors"].items():
-        if path not in recorded:
-            return f"checkpoint {where} is corrupt: tensor {display(path)} has no checksum"
-        if tuple(recorded[path]) != tuple(sums):
-            held = files(path) if files is not None else None
-            inside = f" (its data is in {', '.join(held)})" if held else ""
-            return (f"checkpoint {where} is corrupt: tensor {display(path)}{inside} does not match the checksum "
-                    "saved with it; restore the checkpoint from a copy, or resume from another one")
-    extra = [p for p in recorded if p not in computed["tensors"]]
+    error = _unreadable(saved, where)
+    if error is not None:
+        return error
+
+    def shown(key) -> str:  # a key that is no literal (a damaged file made a tensor a key): its start, on one line
+        path = _path(key)
+        text = display(path) if path is not None else " ".join(str(key).split())
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    def inside(key, words: str = "its data is in") -> str:
+        path = _path(key)
+        held = files(path) if files is not None and path is not None else None
+        return f" ({words} {', '.join(held)})" if held else ""
+
+    def keyed(record: dict) -> dict:  # algorithm /1 keyed its record by the tuples themselves
+        return {_key(k) if isinstance(k, tuple) else k: v for k, v in record.items()}
+
+    recorded = keyed(saved["tensors"])
+    for key, sums in computed["tensors"].items():
+        if key not in recorded:
+            return f"checkpoint {where} is corrupt: tensor {shown(key)} has no checksum"
+        if not isinstance(recorded[key], (tuple, list)) or tuple(recorded[key]) != tuple(sums):
+            return (f"checkpoint {where} is corrupt: tensor {shown(key)}{inside(key)} does not match the checksum "
+                    f"saved with it; {_RESTORE}")
+    extra = [k for k in recorded if k not in computed["tensors"]]
     if extra:  # removed by hand, say: the field is named
-        held = files(extra[0]) if files is not None else None
-        inside = f" (of {', '.join(held)})" if held else ""
-        return (f"checkpoint {where} is incomplete: tensor {display(extra[0])}{inside}, which was saved with it, "
-                "is missing")
+        return (f"checkpoint {where} is incomplete: tensor {shown(extra[0])}{inside(extra[0], 'of')}, which was "
+                "saved with it, is missing")
+    if saved["algorithm"] == TENSORS_ONLY:
+        return None
+    recorded, tensors = keyed(saved["fields"]), computed["tensors"]
+    for key, digest in computed["fields"].items():
+        kind = "tensor" if key in tensors else "field"
+        if key not in recorded:
+            return f"checkpoint {where} is corrupt: {kind} {shown(key)}{inside(key, 'in')} has no checksum"
+        if recorded[key] != digest:
+            what = f"tensor {shown(key)}'s dtype or shape" if kind == "tensor" else f"field {shown(key)}"
+            return (f"checkpoint {where} is corrupt: {what}{inside(key, 'in')} does not match the checksum saved "
+                    f"with it; {_RESTORE}")
+    extra = [k for k in recorded if k not in computed["fields"]]
+    if extra:
+        return (f"checkpoint {where} is incomplete: field {shown(extra[0])}{inside(extra[0], 'of')}, which was "
+                "saved with it, is missing")
+    return None
+
+
+def misplaced(state: dict, where: str) -> str | None:
+    """For a ``state`` that holds no record of checksums (``state.get(KEY)`` is None,
+    as in a checkpoint written before them): the line that says it lost the one it
+    had, under another top-level key (one flipped bit in the key's name) or as None;
+    None when it never had one."""
+    if KEY in state:
+        return f"checkpoint {where} is corrupt: its {KEY!r} entry is not a record of checksums"
+    for key, value in state.items():
+        if not isinstance(value, dict):
+            continue
+        algorithm = value.get("algorithm")
+        if (isinstance(algorithm, str) and algorithm.startswith("mpfp16.word-sums")) or (
+                isinstance(value.get("tensors"), dict) and isinstance(value.get("fields"), dict)):
+            name = repr(key) if isinstance(key, (str, int)) else f"a {type(key).__name__}"
+            return f"checkpoint {where} is corrupt: its checksums are under {name[:60]}, not {KEY!r}; {_RESTORE}"
     return None
 
 
 def verify(state: dict, saved, where: str) -> None:
     """Raise one line when a whole (not sharded) ``state`` does not match the
-    checksums ``saved`` with it (:func:`mismatch`).
+    checksums ``saved`` with it (:func:`mismatch`), or holds them under another key
+    (:func:`misplaced`).
 
     Raises:
-        CheckpointError: naming ``where`` and the first tensor that differs.
+        CheckpointError: naming ``where`` and the first tensor or field that differs.
     """
-    if saved is None:
-        return
-    error = mismatch(checksums(state), saved, where)
+    error = misplaced(state, where) if saved is None else mismatch(checksums(state), saved, where)
     if error is not None:
         raise CheckpointError(error)
+

@@ -7,11 +7,17 @@ a checkpoint of either format (:func:`mpfp16.checkpoint.read` converts it to its
 layout), so ``--shard`` may change on resume. The decisions (which checkpoint
 ``--resume auto`` takes, whether changed settings are refused) are
 :mod:`mpfp16.train.resume`'s.
+
+What a checkpoint holds is checked before any of it is loaded, beyond its checksums
+(which a checkpoint of an earlier version may lack, or hold for its tensors alone):
+each field's type, and the rules that every checkpoint of the scripts keeps
+(:func:`check_training_state`, :func:`check_scaler_state`, :func:`check_continuation`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 import os
 
@@ -22,8 +28,10 @@ from .. import distributed as mdist
 from ..errors import CheckpointError, UserError, one_line
 from . import resume as decide
 from . import rundir
+from .config import FREE_ON_RESUME
 
-__all__ = ["RunCheckpoints", "TRAINING_STATE", "check_training_state"]
+__all__ = ["RunCheckpoints", "TRAINING_STATE", "check_training_state", "check_scaler_state",
+           "check_continuation"]
 
 logger = logging.getLogger("mpfp16")
 
@@ -52,14 +60,15 @@ def _rng(value) -> bool:
 
 def _scheduler(value) -> bool:
     """A ``LambdaLR`` state_dict: its step count and base learning rates."""
-    return (isinstance(value, dict) and isinstance(value.get("last_epoch"), int)
+    return (isinstance(value, dict) and _integer(value.get("last_epoch"))
             and isinstance(value.get("base_lrs"), list) and all(_number(x) for x in value["base_lrs"]))
 
 
 # The training checkpoint (:meth:`RunCheckpoints.state`), field by field: (required, is it
 # right, what it must be). "format", "model" and "optimizer" are mpfp16.checkpoint.read's.
 TRAINING_STATE = {
-    "scheduler": (True, _scheduler, "a learning-rate scheduler's state (a dict with last_epoch and base_lrs)"),
+    "scheduler": (True, _scheduler, "a learning-rate scheduler's state (a dict with last_epoch, an integer >= 0, "
+                                    "and base_lrs)"),
     "step": (True, _integer, "an integer >= 0"),
     "epoch": (True, _integer, "an integer >= 0"),
     "batches_done": (True, _integer, "an integer >= 0"),
@@ -74,10 +83,25 @@ TRAINING_STATE = {
 }
 
 
+def _shown(value) -> str:
+    text = repr(value) if isinstance(value, (str, int, float, type(None))) else type(value).__name__
+    return text[:60]
+
+
 def check_training_state(state: dict, where: str) -> None:
     """Raise one line naming ``where`` (the file) and the first field of
-    :data:`TRAINING_STATE` that ``state`` lacks or holds of the wrong type: a
-    hand-edited checkpoint is refused before any of it is loaded.
+    :data:`TRAINING_STATE` that ``state`` lacks or holds of the wrong type, or whose
+    value breaks a rule that every checkpoint of the scripts keeps: a hand-edited
+    checkpoint, or a damaged one that carries no checksums of its fields (written
+    before they existed), is refused before any of it is loaded.
+
+    The rules: the scheduler (a ``LambdaLR`` that :meth:`Trainer.train_step
+    <mpfp16.train.engine.Trainer.train_step>` steps once per optimizer step, skipped
+    steps included, from ``last_epoch`` 0 when it is built) has counted ``step``
+    steps, and so has the FP16Optimizer (``iteration``, of which ``skipped_steps``
+    were skipped); a resume, with ``--allow-changed-config`` or ``--evaluate`` too,
+    changes neither count. The base learning rates are positive and finite, one per
+    param group.
 
     Raises:
         CheckpointError: the same on every rank (it decides from the state alone).
@@ -90,9 +114,110 @@ def check_training_state(state: dict, where: str) -> None:
             continue
         value = state[field]
         if not right(value):
-            shown = repr(value) if isinstance(value, (str, int, float, type(None))) else type(value).__name__
-            raise CheckpointError(f"checkpoint {where} is damaged: its {field!r} is {shown[:60]}, and it must be "
+            raise CheckpointError(f"checkpoint {where} is damaged: its {field!r} is {_shown(value)}, and it must be "
                                   f"{what}")
+    step, sched = state["step"], state["scheduler"]
+    damaged = f"checkpoint {where} is damaged:"
+    if sched["last_epoch"] != step:
+        raise CheckpointError(f"{damaged} its 'step' is {step} and its scheduler's last_epoch {sched['last_epoch']!r}, "
+                              "and they must be equal (the scheduler steps once per optimizer step)")
+    for i, lr in enumerate(sched["base_lrs"]):
+        if not (math.isfinite(lr) and lr > 0):
+            raise CheckpointError(f"{damaged} its scheduler's base_lrs[{i}] is {lr!r}, and it must be a positive "
+                                  "learning rate")
+    opt = state.get("optimizer")
+    if not isinstance(opt, dict):
+        return  # mpfp16.checkpoint.read refuses it
+    for name in ("iteration", "skipped_steps"):
+        if not _integer(opt.get(name)):
+            raise CheckpointError(f"{damaged} its optimizer's {name} is {_shown(opt.get(name))}, and it must be an "
+                                  "integer >= 0")
+    if opt["iteration"] != step:
+        raise CheckpointError(f"{damaged} its 'step' is {step} and its optimizer's iteration {opt['iteration']}, and "
+                              "they must be equal (the optimizer counts every step it took or skipped)")
+    if opt["skipped_steps"] > opt["iteration"]:
+        raise CheckpointError(f"{damaged} its optimizer's skipped_steps is {opt['skipped_steps']}, more than the "
+                              f"{opt['iteration']} steps it took")
+    groups = _param_groups(opt)
+    if groups is not None and len(groups) != len(sched["base_lrs"]):
+        raise CheckpointError(f"{damaged} its scheduler has {len(sched['base_lrs'])} base_lrs and its optimizer "
+                              f"{len(groups)} param groups, and they must be as many")
+
+
+def check_scaler_state(state: dict, where: str, scaler) -> None:
+    """Raise one line where the checkpoint's loss scaler state is one that ``scaler``
+    (this run's, of the same kind) cannot be in (:meth:`mpfp16.LossScaler.check_state_dict`),
+    before anything is loaded. A scaler of another kind is the optimizer's load to
+    refuse, naming the precision.
+
+    Raises:
+        CheckpointError: the same on every rank.
+    """
+    opt = state.get("optimizer")
+    if not isinstance(opt, dict) or opt.get("scaler_type") != type(scaler).__name__:
+        return
+    try:
+        scaler.check_state_dict(opt.get("scaler"))
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {where} is damaged: {one_line(exc)}") from None
+
+
+def _param_groups(opt: dict) -> list | None:
+    """The inner optimizer's param groups in an FP16Optimizer state_dict (of any
+    version), or None where they are not a list (the optimizer's own load refuses it)."""
+    inner = opt.get("optimizer")
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    return groups if isinstance(groups, list) else None
+
+
+def _records_every_setting(state: dict, cfg, run_facts: dict) -> bool:
+    """Whether the checkpoint recorded every setting and fact that a resume compares
+    (:func:`mpfp16.train.resume.changed_settings` compares only those it recorded): only
+    then does "nothing changed" mean that this run's settings are the ones it was saved
+    with. One of an earlier version may lack some, whose defaults may have changed since."""
+    config, run = state.get("config"), state.get("run")
+    return (isinstance(config, dict) and isinstance(run, dict) and all(name in run for name in run_facts)
+            and all(name in config for name in cfg.as_dict() if name not in FREE_ON_RESUME))
+
+
+def check_continuation(state: dict, where: str, *, base_lrs: list[float], multipliers: list,
+                       training_images: int, epochs: int, batch_size: int) -> None:
+    """Raise one line where a checkpoint that a run resumes with the settings it
+    was saved with (no change found, so none allowed) holds what no run of those
+    settings can: other base learning rates than these settings give, a param group
+    whose learning rate is not its base rate times the schedule at ``step`` (as the
+    scheduler set it), a position in the epoch beyond the training set, or an epoch
+    beyond ``--epochs``. With changed settings none of this holds, and the new ones
+    replace the learning rates.
+
+    Args:
+        state: the training checkpoint, as saved (:func:`check_training_state` passed).
+        base_lrs: this run's, from its settings (its scheduler before the load).
+        multipliers: this run's schedule, per param group (``LambdaLR.lr_lambdas``).
+        training_images: the training set's size.
+        epochs: ``--epochs``.
+        batch_size: ``-b``, for a checkpoint that recorded its position in batches.
+
+    Raises:
+        CheckpointError: the same on every rank (it decides from the state and the settings).
+    """
+    damaged = f"checkpoint {where} is damaged:"
+    saved_lrs, step = state["scheduler"]["base_lrs"], state["step"]
+    if list(saved_lrs) != list(base_lrs):
+        raise CheckpointError(f"{damaged} its scheduler's base_lrs are {list(saved_lrs)}, and the settings it was "
+                              f"saved with give {list(base_lrs)}")
+    groups = _param_groups(state["optimizer"]) or []
+    for i, (group, base, multiplier) in enumerate(zip(groups, saved_lrs, multipliers)):
+        lr = group.get("lr") if isinstance(group, dict) else None
+        if type(lr) is float and lr != base * multiplier(step):  # LambdaLR.get_lr's product, bit for bit
+            raise CheckpointError(f"{damaged} its optimizer's param group {i} has lr {lr!r}, and the schedule gives "
+                                  f"{base * multiplier(step)!r} at step {step}")
+    position = decide.samples_done(state, batch_size)
+    if position > training_images:
+        raise CheckpointError(f"{damaged} its position in the epoch is sample {position}, beyond the "
+                              f"{training_images} training images")
+    if state["epoch"] > epochs:
+        raise CheckpointError(f"{damaged} its 'epoch' is {state['epoch']}, beyond --epochs {epochs}")
 
 
 class RunCheckpoints:
@@ -197,7 +322,9 @@ class RunCheckpoints:
 
         def judge(saved: dict) -> None:  # before the checkpoint is converted to this run's layout
             fmt = checkpoint.format_of(path)
-            check_training_state(saved, os.path.join(path, checkpoint.dcp.META) if fmt is checkpoint.DCP else path)
+            where = os.path.join(path, checkpoint.dcp.META) if fmt is checkpoint.DCP else path
+            check_training_state(saved, where)
+            check_scaler_state(saved, where, trainer.opt.scaler)
             if cfg.evaluate:
                 return
             changes.extend(decide.changed_settings(cfg, saved.get("config"), saved.get("run"), trainer.run_facts(),
@@ -205,6 +332,10 @@ class RunCheckpoints:
             warning = decide.judge_changes(changes, cfg.allow_changed_config, path)
             if warning:
                 logger.warning("%s", warning)
+            if not changes and _records_every_setting(saved, cfg, trainer.run_facts()):
+                check_continuation(saved, where, base_lrs=trainer.sched.base_lrs,
+                                   multipliers=trainer.sched.lr_lambdas, training_images=len(trainer.data.spec.train),
+                                   epochs=cfg.epochs, batch_size=cfg.batch_size)
 
         ckpt = checkpoint.read(path, trainer.model, trainer.opt, check=judge)
         self._load(trainer, path, ckpt, changes)
