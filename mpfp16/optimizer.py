@@ -1017,6 +1017,7 @@ class FP16Optimizer(torch.optim.Optimizer):
                 f"the state_dict holds a {saved_scaler} state but this optimizer uses a "
                 f"{type(self.scaler).__name__}: use the same loss_scale setting"
             )
+        self.scaler.check_state_dict(state_dict["scaler"])  # before anything is loaded
 
     def _check_inner_state(self, state_dict: dict) -> None:
         """Raise one line where the inner optimizer's state was saved by another kind of

@@ -187,7 +187,8 @@ def training_state(model, opt, step: int) -> dict:
     """What the training scripts save (mpfp16.train.checkpointing.RunCheckpoints.state):
     every field of its schema, with this process's own values (a collective: rng)."""
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+    scheduler = {**sched.state_dict(), "last_epoch": step, "_step_count": step + 1}  # one step per optimizer step
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler,
             "step": step, "epoch": 0, "batches_done": step, "best_acc1": -1.0, "best_epoch": None,
             "rng": mdist.all_gather_object(checkpoint.rng_state()), "elapsed": 1.5, "config": {"arch": "resnet9-w4"},
             "run": {"processes": mdist.get_world_size()}}

@@ -730,3 +730,16 @@ def test_inner_state_indices_must_be_a_permutation_of_the_parameters(how, words)
     with pytest.raises(ValueError, match=f"^the state_dict's .*{words}") as info:
         opt.load_state_dict(state)
     assert "\n" not in str(info.value) and not opt.state and opt.iteration == 0
+
+
+def test_a_scaler_state_out_of_its_bounds_is_refused_before_anything_loads():
+    model = mpfp16.to_half(tiny_mlp(0))
+    opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()))
+    train_mpfp16(model, opt, batches(2))
+    state = opt.state_dict()
+    state["scaler"]["scale"] = 2.0 ** 32  # above max_scale 2^24
+    other = mpfp16.to_half(tiny_mlp(1))
+    here = mpfp16.FP16Optimizer(make_inner("sgd", other.parameters()))
+    with pytest.raises(ValueError, match="scale"):
+        here.load_state_dict(state)
+    assert not here.state and here.iteration == 0 and here.loss_scale == 2.0 ** 16

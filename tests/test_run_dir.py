@@ -175,12 +175,14 @@ def test_resume_refuses_changed_settings_and_names_each(cifar_root, tmp_path, ca
 @pytest.mark.slow
 def test_allowed_changes_take_effect(cifar_root, tmp_path, capsys):
     """With --allow-changed-config the new lr and weight decay are what the optimizer
-    uses, and the position in the epoch is kept in samples."""
+    uses, and the position in the epoch is kept in samples. A static loss scale changed
+    on resume is the new one (the saved scale was kept, in silence)."""
     common = [cifar_root, *TINY, "--checkpoint-dir", str(tmp_path), "--lr-schedule", "cosine"]
-    assert run(common + ["--max-steps", "3"], capsys)[0] == 0
+    assert run(common + ["--max-steps", "3", "--loss-scale", "128"], capsys)[0] == 0
     assert run(common + ["--max-steps", "4", "--resume", "auto", "--allow-changed-config", "--lr", "0.2",
-                         "--wd", "0", "-b", "8"], capsys)[0] == 0
+                         "--wd", "0", "-b", "8", "--loss-scale", "1024"], capsys)[0] == 0
     ckpt = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert ckpt["optimizer"]["scaler"]["scale"] == 1024.0
     group = ckpt["optimizer"]["optimizer"]["param_groups"][0]
     assert group["initial_lr"] == 0.2 and group["weight_decay"] == 0.0
     assert ckpt["batches_done"] == 3 * 16 // 8 + 1  # 48 samples were 6 batches of 8, then one more step

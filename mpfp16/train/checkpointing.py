@@ -354,6 +354,7 @@ class RunCheckpoints:
             raise CheckpointError(f"checkpoint {path} (arch {saved_cfg.get('arch', '?')}) does not fit this model "
                                   f"(arch {cfg.arch}): {why}") from None
         fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.opt.param_groups]
+        fresh_scaler = trainer.opt.scaler.state_dict()  # a static --loss-scale changed on resume takes its new value
         try:
             trainer.opt.load_state_dict(ckpt["optimizer"])
         except (ValueError, KeyError, RuntimeError) as exc:
@@ -374,6 +375,8 @@ class RunCheckpoints:
             self._load_comm_state(trainer, path, ckpt.get("comm"), bool(changes))
         if changes:
             self._apply_changed_settings(trainer, saved_cfg, fresh_groups)
+            if any(name == "loss_scale" for name, _, _ in changes) and not trainer.opt.scaler.dynamic:
+                trainer.opt.scaler.load_state_dict(fresh_scaler)  # it kept the saved scale in silence
 
     def _load_comm_state(self, trainer, path: str, saved, changed: bool) -> None:
         """Give the communication hook its state back (:func:`mpfp16.train.resume.comm_state`)."""
