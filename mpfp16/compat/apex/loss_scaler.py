@@ -28,7 +28,7 @@ import math
 import torch
 
 from ...scaler import LossScaler as _MpLossScaler
-from ...scaler import LossScaleStuckError
+from ...scaler import LossScaleStuckError, check_loss_scale
 
 __all__ = ["AmpLossScaler", "LossScaler", "DynamicLossScaler", "to_python_float"]
 
@@ -127,9 +127,27 @@ class AmpLossScaler(_MpLossScaler):
                 "scale_window": self.scale_window, "min_loss_scale": self.min_loss_scale,
                 "max_loss_scale": self.max_loss_scale, "overflows_at_floor": self.overflows_at_floor}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Load :meth:`state_dict`'s values, or those of an apex scaler object that
-        :func:`mpfp16.compat.apex.load_apex_checkpoint` read from an apex checkpoint."""
+    def check_state_dict(self, state: dict) -> None:
+        """Raise one line unless ``state`` (:meth:`state_dict`'s, or an apex scaler's)
+        is one this scaler can load: the same kind of scale (dynamic or static), a
+        scale that is a positive normal fp32 number, counters that are integers >= 0.
+        :meth:`load_state_dict` and FP16Optimizer's own load call it first."""
+        state = self._as_own(state)
+        if bool(state["dynamic"]) != self.dynamic:
+            raise ValueError(f"the state holds a {'dynamic' if state['dynamic'] else 'static'} loss scale and "
+                             f"this optimizer uses a {'dynamic' if self.dynamic else 'static'} one")
+        check_loss_scale(state["loss_scale"], "the loss scaler's loss_scale")
+        for key in ("unskipped", "overflows_at_floor", "scale_window"):
+            value = state.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"the loss scaler's {key} is {value!r}, and it must be an integer >= 0")
+
+    @staticmethod
+    def _as_own(state: dict) -> dict:
+        """An apex scaler object's state (read by
+        :func:`mpfp16.compat.apex.load_apex_checkpoint`) in this scaler's keys."""
+        if not isinstance(state, dict):
+            raise ValueError(f"loss scaler state_dict is a {type(state).__name__}, not a dict")
         kind = state.get("apex_class")
         if kind == "apex.amp.scaler.LossScaler":
             state = {"loss_scale": state["_loss_scale"], "dynamic": state["dynamic"],
@@ -138,9 +156,16 @@ class AmpLossScaler(_MpLossScaler):
                      "max_loss_scale": state.get("_max_loss_scale", 2.0**24)}
         elif kind is not None:  # fp16_utils' own scalers: the scale carries over, the growth count restarts
             state = {"loss_scale": state["cur_scale"], "dynamic": "scale_window" in state, "unskipped": 0}
-        if bool(state["dynamic"]) != self.dynamic:
-            raise ValueError(f"the state holds a {'dynamic' if state['dynamic'] else 'static'} loss scale and "
-                             f"this optimizer uses a {'dynamic' if self.dynamic else 'static'} one")
+        missing = [k for k in ("loss_scale", "dynamic") if k not in state]
+        if missing:
+            raise ValueError(f"loss scaler state_dict is missing {', '.join(missing)}")
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load :meth:`state_dict`'s values, or those of an apex scaler object that
+        :func:`mpfp16.compat.apex.load_apex_checkpoint` read from an apex checkpoint."""
+        self.check_state_dict(state)
+        state = self._as_own(state)
         self._scale = float(state["loss_scale"])
         self.unskipped = int(state.get("unskipped", 0))
         self.scale_window = int(state.get("scale_window", self.scale_window))
