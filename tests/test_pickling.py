@@ -17,6 +17,11 @@ from reference import batches, make_inner, tiny_mlp, train_mpfp16
 STAGES = ["converted", "optimizer built", "after steps", "per-tensor store"]
 
 
+def _scale(value, dtype):
+    """A static scale for fp16; bf16 takes none (refused: it needs no scaling)."""
+    return value if dtype == torch.float16 else None
+
+
 def converted(stage, dtype):
     model = mpfp16.to_half(tiny_mlp(0), dtype)
     if stage == "per-tensor store":
@@ -25,7 +30,7 @@ def converted(stage, dtype):
                 p.data = p.detach().clone()
         model._held = [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]  # as DDP holds them
     if stage != "converted":
-        opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=128.0)
+        opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=_scale(128.0, dtype))
         assert opt.store.kind == ("per-tensor" if stage == "per-tensor store" else "flat")
         if stage == "after steps":
             train_mpfp16(model, opt, batches(2))
@@ -54,7 +59,7 @@ def test_a_converted_model_pickles_and_its_copy_trains_the_same(how, stage, dtyp
         assert p.dtype == q.dtype and torch.equal(p, q)
     outcomes = []
     for m in (model, twin):
-        opt = mpfp16.FP16Optimizer(make_inner("adamw", m.parameters()), loss_scale=64.0)
+        opt = mpfp16.FP16Optimizer(make_inner("adamw", m.parameters()), loss_scale=_scale(64.0, dtype))
         outcomes.append(train_mpfp16(m, opt, batches(3, seed=3)))
     assert outcomes[0] == outcomes[1] == [True] * 3
     for p, q in zip(model.parameters(), twin.parameters()):

@@ -154,6 +154,7 @@ def test_a_checkpoint_written_before_the_stores_resumes_either_way(tmp_path, cap
     state = torch.load(first / "last.pt", weights_only=True)
     names = state["optimizer"]["param_names"]
     state["optimizer"] = CW.as_old_flat(state["optimizer"])
+    del state["checksums"]  # those versions wrote none (and these no longer fit the edited state)
     assert "param_names" not in state["optimizer"] and "store" not in state["optimizer"]
     saved = saved_snapshot(state, names)
     taken = snapshot_at_fit(monkeypatch)
