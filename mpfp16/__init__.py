@@ -7,7 +7,7 @@
 
 from . import distributed
 from .convert import cast_floating, model_dtype, to_float, to_half
-from .flat import flatten_parameters
+from .flat_buffers import flatten_parameters
 from .optimizer import FP16Optimizer
 from .errors import ReplicaDivergenceError
 from .scaler import DynamicLossScaler, LossScaler, LossScaleStuckError

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import flat
+from . import flat_buffers
 
 __all__ = ["NORM_TYPES", "HALF_DTYPES", "to_half", "to_float", "model_dtype", "cast_floating", "CastInputs", "outputs_to_fp32",
            "keeps_fp32"]
@@ -102,14 +102,14 @@ def to_half(model: nn.Module, dtype: torch.dtype = torch.float16, cast_io: bool 
                         "(casting parameters that DDP holds would silently stop its gradient averaging)")
     changing = [p for module in model.modules() for p in module.parameters(recurse=False)
                 if p.is_floating_point() and p.dtype != _target_dtype(module, dtype)]
-    flat.check_movable(changing)
+    flat_buffers.check_movable(changing)
 
     def cast_to(target):
         return lambda t: t.to(target) if t.is_floating_point() else t
 
     for module in model.modules():
         module._apply(cast_to(_target_dtype(module, dtype)), recurse=False)
-    flat.flatten_parameters(model)
+    flat_buffers.flatten_parameters(model)
 
     if cast_io and not any(isinstance(hook, CastInputs) for hook in model._forward_pre_hooks.values()):
         model.register_forward_pre_hook(CastInputs(), with_kwargs=True)  # follows the model's dtype
@@ -124,7 +124,7 @@ def to_float(model: nn.Module) -> nn.Module:
     whose 16-bit parameters DDP already holds. Returns ``model``."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise TypeError("to_float got a DistributedDataParallel module: convert the model, then wrap it")
-    flat.check_movable([p for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32])
+    flat_buffers.check_movable([p for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32])
     model.float()
     for hooks, extra in ((model._forward_pre_hooks, model._forward_pre_hooks_with_kwargs),
                          (model._forward_hooks, model._forward_hooks_with_kwargs)):
@@ -132,7 +132,7 @@ def to_float(model: nn.Module) -> nn.Module:
             if isinstance(hook, CastInputs) or hook is outputs_to_fp32:
                 del hooks[key]
                 extra.pop(key, None)
-    flat.flatten_parameters(model)
+    flat_buffers.flatten_parameters(model)
     return model
 
 

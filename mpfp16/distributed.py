@@ -10,7 +10,7 @@ FSDP2 sharding, accumulation without communication, and teardown.
     mpfp16.distributed.teardown()
 
 The public face of :mod:`mpfp16.parallel`, where the code lives: rank helpers
-(``parallel.base``), set-up and teardown (``parallel.setup``), DDP and its hooks
+(``parallel.ranks``), set-up and teardown (``parallel.setup``), DDP and its hooks
 (``parallel.ddp``, ``parallel.hooks``, ``parallel.powersgd``), FSDP2 (``parallel.fsdp``)
 and the replica check (``parallel.replicas``). What each wrapped model needs is in its
 handle (``parallel.handles``).
@@ -24,7 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .errors import ReplicaDivergenceError
-from .parallel.base import (all_gather_object, broadcast_buffers, broadcast_object, gather_object, get_rank,
+from .parallel.ranks import (all_gather_object, broadcast_buffers, broadcast_object, gather_object, get_rank,
                             get_world_size, is_initialized, is_main_process)
 from .parallel.ddp import attach, comm_state_dict, load_comm_state_dict, wrap
 from .parallel.fsdp import set_gradient_sync, shard

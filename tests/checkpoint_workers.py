@@ -52,10 +52,12 @@ def snapshot(model, opt) -> dict:
     """What a resume must restore, by parameter name, whole: the fp32 masters, the inner
     optimizer's state, the buffers, the scaler and the counters."""
     names = opt.param_names()
-    inner = opt.state_dict()["optimizer"]["state"]
+    saved = opt.state_dict()
+    name_of = dict(zip(saved["params"], names))  # its keys: the names, or positions without model=
+    inner = saved["optimizer"]["state"]
     return {
         "masters": {name: _full(m).detach().clone() for name, m in zip(names, opt.master_params())},
-        "state": {f"{names[int(i)]}.{k}": _full(v).detach().clone() for i, s in inner.items() for k, v in s.items()},
+        "state": {f"{name_of[key]}.{k}": _full(v).detach().clone() for key, s in inner.items() for k, v in s.items()},
         "buffers": {name: b.detach().clone() for name, b in model.named_buffers()},
         "scaler": opt.scaler.state_dict(), "skipped": opt.skipped_steps, "iteration": opt.iteration,
     }
@@ -75,7 +77,7 @@ def differences(a: dict, b: dict) -> list[str]:
 
 
 def read_into(path, model, opt) -> dict:
-    state = checkpoint.read(path, model, opt)
+    state = checkpoint.read(path, model)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     return snapshot(model, opt)
@@ -83,12 +85,35 @@ def read_into(path, model, opt) -> dict:
 
 def as_old_flat(state: dict) -> dict:
     """An FP16Optimizer state as versions before the stores wrote it ("mpfp16.FP16Optimizer/1")."""
-    old = {k: v for k, v in state.items() if k not in ("store", "param_names")}
+    old = {k: v for k, v in as_second_form(state).items() if k not in ("store", "param_names")}
     return {**old, "format": "mpfp16.FP16Optimizer/1"}
+
+
+def as_second_form(state: dict) -> dict:
+    """An FP16Optimizer state (mpfp16/state_format.py) as the version before it wrote it
+    ("mpfp16.FP16Optimizer/2": keyed by index, a list of masters; a sharded store's
+    masters in the model's state alone)."""
+    keys = list(state["params"])
+    index = {k: i for i, k in enumerate(keys)}
+    entries = list(state["params"].values())
+    sharded = state["store"] == "sharded"
+    old = {k: v for k, v in state.items() if k not in ("params",)}
+    old.update(format="mpfp16.FP16Optimizer/2", param_names=None if keys == [str(i) for i in range(len(keys))] else keys,
+               param_shapes=[e["shape"] for e in entries],
+               param_dtypes=["float32" if sharded else e["dtype"] for e in entries],
+               master_params=[None if sharded or e["dtype"] == "float32" else e["master"] for e in entries],
+               kahan_compensation=[],
+               optimizer={"state": {index[k]: s for k, s in state["optimizer"]["state"].items()},
+                          "param_groups": [{**g, "params": [index[k] for k in g["params"]]}
+                                           for g in state["optimizer"]["param_groups"]]})
+    if not sharded:
+        old.pop("compute_dtype", None)
+    return old
 
 
 def as_old_sharded(state: dict) -> dict:
     """A sharded FP16Optimizer state as ShardedFP16Optimizer wrote it ("/sharded-1", keyed by name)."""
+    state = as_second_form(state)
     names, inner = state["param_names"], state["optimizer"]
     return {
         "format": "mpfp16.FP16Optimizer/sharded-1",
@@ -136,7 +161,7 @@ def _failing(kind: str, rank: int, folder: str, model, opt) -> dict:
     finally:
         module.os = os
     seconds = time.monotonic() - started
-    step = checkpoint.read(path, model, opt)["step"]
+    step = checkpoint.read(path, model)["step"]
     listing = sorted(n for n in os.listdir(folder) if not n.startswith(".mpfp16"))
     return {"error": error, "seconds": seconds, "same": os.path.realpath(path) == before, "step": step,
             "listing": listing}
@@ -220,7 +245,7 @@ def schema_error(path: str, model, opt) -> str | None:
 
     where = os.path.join(path, dcp.META) if checkpoint.format_of(path) is checkpoint.DCP else path
     try:
-        checkpoint.read(path, model, opt, check=lambda s: check_training_state(s, where))
+        checkpoint.read(path, model, check=lambda s: check_training_state(s, where))
     except CheckpointError as exc:
         return str(exc)
     return None
@@ -269,7 +294,7 @@ def _dcp_spans(path: str) -> list[tuple[str, str, int, int]]:
 
 def _attempt_load(path, model, opt) -> str | None:
     try:
-        checkpoint.read(path, model, opt)
+        checkpoint.read(path, model)
     except CheckpointError as exc:
         return str(exc)
     return None
@@ -344,11 +369,13 @@ def integrity_cases(rank: int, folder: str, tmpfs: str | None) -> dict:
             torch.save(meta, meta_path)
         barrier()
         out["edits"][(field, repr(value))] = schema_error(sub, *sharded_run(7))
-    # 11 d: a sharded optimizer state given to an unsharded optimizer.
+    # 11 d: a sharded optimizer state given to an unsharded optimizer: taken directly (the one state form)
     lmodel, lopt = local_run(8)
     try:
         lopt.load_state_dict(opt.state_dict())
         out["sharded into local"] = None
+        out["sharded into local, masters"] = all(
+            torch.equal(_full(p), m) for p, m in zip(opt.master_params(), lopt.master_params()))
     except ValueError as exc:
         out["sharded into local"] = str(exc)
     out["sharded into local, read"] = _attempt_load(path, lmodel, lopt)
@@ -382,6 +409,6 @@ def integrity_cases(rank: int, folder: str, tmpfs: str | None) -> dict:
             out["full"] = str(exc)
         barrier()
         out["full kept"] = os.readlink(full) == before
-        out["full step"] = checkpoint.read(full, *sharded_run(10))["step"]
+        out["full step"] = checkpoint.read(full, sharded_run(10)[0])["step"]
         out["full listing"] = sorted(n for n in os.listdir(tmpfs) if not n.startswith(".mpfp16"))
     return out

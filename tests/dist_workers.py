@@ -285,7 +285,7 @@ def compile_fails_on_one_rank(rank, fused, kernels="inductor"):
 
     import torch._inductor.exc
 
-    from mpfp16 import optimizer as O
+    from mpfp16.stores import build as O
     from mpfp16.stores import fused as FB
     from mpfp16.stores import kernels as F
     from mpfp16.stores import native
@@ -308,7 +308,7 @@ def compile_fails_on_one_rank(rank, fused, kernels="inductor"):
     logging.getLogger("mpfp16").addHandler(handler)
     model, ddp, opt = build_in_order(rank, "wrap", "ddp_first", "float16", True,
                                      inner="adamw" if kernels == "native" else "sgd")
-    opt._fused_requested = fused  # as if built with fused=True
+    opt.store._fused_requested = fused  # as if built with fused=True
     try:
         train_steps(rank, model, ddp, opt, 2, 1)
         error = None

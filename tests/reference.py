@@ -136,3 +136,9 @@ def exact_sqrt(t: torch.Tensor) -> torch.Tensor:
     """A correctly rounded fp32 square root (through fp64): mpfp16's kernels' sqrt,
     which torch's CPU sqrt kernel is not."""
     return t.double().sqrt().float()
+
+
+def saved_masters(state_dict: dict) -> list:
+    """An FP16Optimizer state_dict's fp32 masters of its 16-bit parameters, in the
+    optimizer's order (None for an fp32 parameter, and where none is kept)."""
+    return [e["master"] if e["dtype"] not in ("float32", None) else None for e in state_dict["params"].values()]

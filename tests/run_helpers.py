@@ -38,9 +38,9 @@ def checkpoint_tensors(path) -> tuple[dict, dict]:
     the masters and the optimizer state)."""
     ckpt = torch.load(path, weights_only=True)
     tensors = {f"model.{k}": v for k, v in ckpt["model"].items()}
-    for i, m in enumerate(ckpt["optimizer"]["master_params"]):
-        if m is not None:
-            tensors[f"master.{i}"] = m
+    for key, entry in ckpt["optimizer"]["params"].items():
+        if entry["master"] is not None:
+            tensors[f"master.{key}"] = entry["master"]
     for i, state in ckpt["optimizer"]["optimizer"]["state"].items():
         for k, v in state.items():
             tensors[f"state.{i}.{k}"] = v

@@ -64,10 +64,10 @@ def test_what_is_not_a_training_checkpoint_is_one_line(tmp_path):
     model, opt = CW.local_run(0)
     torch.save({"model": {}, "optimizer": {}}, tmp_path / "plain.pt")
     with pytest.raises(CheckpointError, match="plain.pt is not an mpfp16 training checkpoint"):
-        checkpoint.read(str(tmp_path / "plain.pt"), model, opt)
+        checkpoint.read(str(tmp_path / "plain.pt"), model)
     (tmp_path / "folder").mkdir()
     with pytest.raises(CheckpointError, match="folder is a folder: pass a checkpoint file"):
-        checkpoint.read(str(tmp_path / "folder"), model, opt)
+        checkpoint.read(str(tmp_path / "folder"), model)
 
 
 def test_one_sweep_removes_the_unfinished_writes_of_both_formats(tmp_path):
@@ -125,7 +125,7 @@ def test_a_checkpoint_of_an_earlier_version_loads_and_its_damage_is_refused_by_t
 
     other, other_opt = CW.local_run(1)
     path = write(state)
-    loaded = checkpoint.read(path, other, other_opt, check=lambda s: check(s, path))
+    loaded = checkpoint.read(path, other, check=lambda s: check(s, path))
     other.load_state_dict(loaded["model"])
     other_opt.load_state_dict(loaded["optimizer"])
     assert CW.differences(CW.snapshot(other, other_opt), CW.snapshot(model, opt)) == []
@@ -139,5 +139,5 @@ def test_a_checkpoint_of_an_earlier_version_loads_and_its_damage_is_refused_by_t
     ]:
         path = write(edited)
         with pytest.raises(CheckpointError) as caught:
-            checkpoint.read(path, other, other_opt, check=lambda s: check(s, path))
+            checkpoint.read(path, other, check=lambda s: check(s, path))
         assert str(caught.value).startswith(f"checkpoint {path} is damaged: {expected}"), str(caught.value)

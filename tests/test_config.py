@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from mpfp16 import optimizer as optimizer_rules
+from mpfp16 import options as optimizer_rules
 from mpfp16.parallel import ddp as ddp_rules
 from mpfp16.parallel import fsdp as fsdp_rules
 from mpfp16.parallel.hooks import STRATEGIES

@@ -341,7 +341,7 @@ def test_a_compile_failure_on_one_rank_sends_every_rank_the_same_way(tmp_path, f
 # ----------------------------------------------------------------- the replica checker
 
 PERTURBED = {
-    "weight": "0.weight differs (rank 0 holds one value, rank 1 another); 1 of 17 tensors differ",
+    "weight": "0.weight differs (rank 0 holds one value, rank 1 another); 1 of 19 tensors differ",
     "master": "master weight of 3.weight differs",
     "momentum": "optimizer state 'momentum_buffer' of 0.weight differs",
     "loss_scale": "optimizer value scaler.scale differs (rank 0: 1024.0, rank 1: 2048.0)",

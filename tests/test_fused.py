@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import mpfp16
+import mpfp16.stores.build
 from mpfp16.stores import kernels as F
 from reference import (ReferenceTrainer, adam_by_hand, assert_same_params, backward_both, batches, exact_sqrt,
                        make_inner, step_both, tiny_mlp, train_mpfp16, train_reference)
@@ -275,7 +276,7 @@ def _break_compiler(monkeypatch, error):
 
 def test_compile_failure_under_auto_takes_the_unfused_step_with_one_warning(monkeypatch, caplog):
     _break_compiler(monkeypatch, torch._inductor.exc.InvalidCxxCompiler())
-    monkeypatch.setattr(mpfp16.optimizer, "FUSED_MIN_NUMEL", 0)  # auto picks the fused step for this small model
+    monkeypatch.setattr(mpfp16.stores.build, "FUSED_MIN_NUMEL", 0)  # auto picks the fused step for this small model
     model, ref_model = mpfp16.to_half(tiny_mlp(0)), mpfp16.to_half(tiny_mlp(0))
     opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=64.0)
     assert opt.fused
@@ -329,7 +330,7 @@ def test_a_compile_failure_at_the_first_unscale_after_step_one_is_agreed_before_
     segment is stepped or any Adam counter advances: fused=True raises at unscale_(),
     auto moves to the unfused step for good. (Kahan rounding, so that AdamW takes
     inductor's kernels: the native ones are one library, built at the first step.)"""
-    monkeypatch.setattr(mpfp16.optimizer, "FUSED_MIN_NUMEL", 0)
+    monkeypatch.setattr(mpfp16.stores.build, "FUSED_MIN_NUMEL", 0)
     model = mpfp16.to_half(tiny_mlp(0))
     opt = mpfp16.FP16Optimizer(make_inner("adamw", model.parameters()), loss_scale=64.0, fused=fused,
                                master_weights=False, rounding="kahan")

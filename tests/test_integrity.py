@@ -153,7 +153,7 @@ def test_one_flipped_bit_in_any_tensor_of_a_file_is_one_line_naming_the_file_and
         try:
             corrupt = file.load(path, verify=False)
             try:
-                checkpoint.read(path, model, opt)
+                checkpoint.read(path, model)
                 error = None
             except CheckpointError as exc:
                 error = str(exc)
@@ -176,8 +176,8 @@ def test_the_line_names_the_tensor_by_its_place_in_the_state(saved_file):
     found: list = []
     integrity._walk(file.load(path), (), found)
     names = {integrity.display(p) for p, _ in found}
-    assert "model.0.0.weight" in names and "optimizer.optimizer.state.0.exp_avg" in names
-    assert "optimizer.master_params.0" in names
+    assert "model.0.0.weight" in names and "optimizer.optimizer.state.0.0.weight.exp_avg" in names
+    assert "optimizer.params.0.0.weight.master" in names
 
 
 def test_a_checkpoint_written_before_checksums_loads_without_a_word(tmp_path, saved_file, recwarn, caplog):
@@ -186,7 +186,7 @@ def test_a_checkpoint_written_before_checksums_loads_without_a_word(tmp_path, sa
     path = str(tmp_path / "old.pt")
     file.save_atomic({"format": checkpoint.FORMAT, **state}, path, checksum=False)
     assert "checksums" not in torch.load(path, weights_only=True)
-    assert checkpoint.read(path, model, opt)["step"] == 1
+    assert checkpoint.read(path, model)["step"] == 1
     assert not recwarn.list and not caplog.records
 
 
@@ -279,18 +279,19 @@ def test_a_changed_field_is_named_and_so_is_one_missing_or_added(tiny_file, tmp_
     src, _, _ = tiny_file
     state = torch.load(src, weights_only=True)
     path = str(tmp_path / "last.pt")
+    first = next(iter(state["optimizer"]["params"]))
     cases = [
         (("scheduler", "base_lrs"), [6.1e-6], "is corrupt: field scheduler.base_lrs does not match the checksum"),
         (("step",), 2, "is corrupt: field step does not match the checksum"),
         (("step",), 1.0, "is corrupt: field step does not match the checksum"),  # another type, an equal value
         (("optimizer", "scaler", "scale"), 2.0**32, "is corrupt: field optimizer.scaler.scale does not match"),
         (("model", "0.weight"), torch.zeros(0, 4, dtype=torch.float16), "is corrupt: tensor model.0.weight does"),
-        (("optimizer", "master_params", 0), torch.zeros(0), "is corrupt: tensor optimizer.master_params.0's dtype "
-                                                             "or shape does not match"),  # sums of 0, as recorded
+        (("optimizer", "params", first, "master"), torch.zeros(0), f"is corrupt: tensor optimizer.params.{first}.master's "
+                                                                   "dtype or shape does not match"),  # sums of 0, as recorded
         (("config", "extra"), 1, "is corrupt: field config.extra has no checksum"),
         (("epoch",), None, "is incomplete: field epoch, which was saved with it, is missing"),
     ]
-    state["optimizer"]["master_params"][0] = torch.zeros(4, 4)  # all zero: its sums are 0, whatever its shape
+    state["optimizer"]["params"][first]["master"] = torch.zeros(4, 4)  # all zero: its sums are 0, whatever its shape
     state[integrity.KEY] = integrity.checksums({k: v for k, v in state.items() if k != integrity.KEY})
     for where, value, expected in cases:
         torch.save(_with(state, where, value), path)  # by hand, the checksums kept
@@ -461,7 +462,7 @@ def test_a_changed_byte_in_a_shard_file_is_one_line_naming_the_folder_the_tensor
         with open(shard, "wb") as f:
             f.write(blob[:offset] + bytes([blob[offset] ^ 0xFF]) + blob[offset + 1:])
         whole = _load_error(lambda: same(dcp.load_whole(path), clean) or pytest.fail(f"byte {offset}: other values"))
-        into_shards = _load_error(lambda: checkpoint.read(path, *reader))
+        into_shards = _load_error(lambda: checkpoint.read(path, reader[0]))
         assert whole == into_shards, offset
         if whole is None:
             continue  # a byte that no reader looks at (a zip header's time stamp, say)
@@ -481,7 +482,7 @@ def test_a_changed_byte_in_a_shard_file_is_one_line_naming_the_folder_the_tensor
     marker = meta["state"]["model"]["0.weight"]
     marker["shapf"] = marker.pop("shape")  # a bit flipped in a key of the sharded tensor's record: a bare KeyError
     torch.save(meta, os.path.join(path, dcp.META))
-    for load in (lambda: dcp.load_whole(path), lambda: checkpoint.read(path, *reader)):
+    for load in (lambda: dcp.load_whole(path), lambda: checkpoint.read(path, reader[0])):
         with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {path} is corrupt: meta.pt's record of the "
                                                             "sharded tensor model.0.weight (its shape and dtype) is "
                                                             "damaged")):
@@ -560,12 +561,11 @@ def test_a_hand_edited_meta_pt_is_one_line_naming_it_and_the_field(sharded):
 
 
 @pytest.mark.slow  # its fixture launches a worker group
-def test_a_sharded_state_into_an_unsharded_optimizer_points_to_mpfp16_checkpoint(sharded):
+def test_a_sharded_state_loads_into_an_unsharded_optimizer_directly(sharded):
     _, results = sharded
     for r in results:
-        assert "load it through mpfp16.checkpoint" in r["sharded into local"]
-        assert "format entry" not in r["sharded into local"]
-        assert r["sharded into local, read"] is None  # which converts it
+        assert r["sharded into local"] is None and r["sharded into local, masters"]  # the one state form
+        assert r["sharded into local, read"] is None  # and through mpfp16.checkpoint
 
 
 @pytest.mark.slow  # its fixture launches a worker group

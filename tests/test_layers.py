@@ -26,12 +26,16 @@ def test_the_import_contracts_are_kept():
 
 def test_an_upward_import_breaks_them(tmp_path):
     """The contracts have teeth: in a copy of the package, the rank helpers importing the
-    optimizer break both the layers and the base's own contract."""
+    optimizer break both the layers and the rank helpers' own contract; the optimizer
+    importing a store's module breaks the stores' boundary."""
     shutil.copytree(os.path.join(REPO, "mpfp16"), tmp_path / "mpfp16", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(REPO, "pyproject.toml"), tmp_path)
-    base = tmp_path / "mpfp16" / "parallel" / "base.py"
-    base.write_text(base.read_text() + "\n\ndef _upward():\n    from ..optimizer import FP16Optimizer\n")
+    ranks = tmp_path / "mpfp16" / "parallel" / "ranks.py"
+    ranks.write_text(ranks.read_text() + "\n\ndef _upward():\n    from ..optimizer import FP16Optimizer\n")
+    optimizer = tmp_path / "mpfp16" / "optimizer.py"
+    optimizer.write_text(optimizer.read_text() + "\n\ndef _inside():\n    from .stores.local import LocalStore\n")
     proc = run_lint_imports(tmp_path)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "mpfp16 imports downward only BROKEN" in proc.stdout
-    assert "mpfp16.parallel.base imports nothing from mpfp16 BROKEN" in proc.stdout
+    assert "mpfp16.parallel.ranks imports nothing from mpfp16 BROKEN" in proc.stdout
+    assert "FP16Optimizer knows the stores only as the mpfp16.stores package BROKEN" in proc.stdout

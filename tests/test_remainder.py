@@ -13,11 +13,11 @@ import torch
 import torch.nn as nn
 
 import mpfp16
-from mpfp16.optimizer import check_options
+from mpfp16.options import check_options
 from mpfp16.rounding import REMAINDER_TIE, join_remainder, split_remainder
 from mpfp16.train.cli import build_parser
 from mpfp16.train.config import ConfigError, TrainConfig
-from reference import batches, tiny_mlp
+from reference import batches, saved_masters, tiny_mlp
 
 BF16 = torch.bfloat16
 
@@ -150,7 +150,7 @@ def count_ties(opt) -> int:
 
 def loose(model: nn.Module) -> nn.Module:
     """The model with every parameter in a storage of its own, its gradient accumulator
-    held as DDP holds it: the optimizer gets the per-tensor store (tests/test_stores.py)."""
+    held as DDP holds it: the optimizer gets the per-tensor store (tests/test_per_tensor_store.py)."""
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.detach().clone()
@@ -195,7 +195,7 @@ def assert_same_training(a, b):
     for (name, p), q in zip(model_a.named_parameters(), model_b.parameters()):
         assert torch.equal(bits(p), bits(q)), name
     sa, sb = opt_a.state_dict(), opt_b.state_dict()
-    for i, (m, n) in enumerate(zip(sa["master_params"], sb["master_params"])):
+    for i, (m, n) in enumerate(zip(saved_masters(sa), saved_masters(sb))):
         assert (m is None) == (n is None), i
         if m is not None:
             assert m.dtype == n.dtype == torch.float32 and torch.equal(bits(m), bits(n)), i
@@ -283,7 +283,7 @@ def test_at_constructed_ties_only_the_weights_differ_and_by_the_rule(fused):
         opt.zero_grad()
         opt.backward(model(c.float()))
         assert opt.step() and opt.fused == fused
-        runs[mode] = (bits(model.w).clone(), opt.state_dict()["master_params"][0], count_ties(opt))
+        runs[mode] = (bits(model.w).clone(), saved_masters(opt.state_dict())[0], count_ties(opt))
     (w_rem, m_rem, ties_rem), (w_rne, m_rne, ties_rne) = runs["remainder"], runs[True]
     assert torch.equal(bits(m_rem), bits(m_rne))  # the masters, bit for bit
     tie = (bits(m_rne) & 0xFFFF) == 0x8000

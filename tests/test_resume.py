@@ -363,15 +363,17 @@ def test_the_shorter_last_step_is_the_mean_over_its_samples():
     import torch
     import torch.nn as nn
 
-    from mpfp16.flat import flatten_parameters
+    from mpfp16.flat_buffers import flatten_parameters
     from mpfp16.optimizer import FP16Optimizer
     from mpfp16.train.engine import Trainer
+    from mpfp16.train.state import TrainState
 
     torch.manual_seed(0)
     images, labels = torch.randn(5, 4), torch.tensor([0, 1, 2, 1, 0])
     reference = nn.Linear(4, 3)
     trainer = Trainer.__new__(Trainer)  # the step alone: a model, its optimizer and schedule, no run around them
-    trainer.cfg, trainer.device, trainer.step = TrainConfig(task="cifar", accum_steps=4), torch.device("cpu"), 0
+    trainer.cfg, trainer.device = TrainConfig(task="cifar", accum_steps=4), torch.device("cpu")
+    trainer.state = TrainState()
     trainer.model = trainer.ddp = flatten_parameters(nn.Linear(4, 3))
     trainer.model.load_state_dict(reference.state_dict())
     trainer.opt = FP16Optimizer(torch.optim.SGD(trainer.model.parameters(), lr=1.0), loss_scale=None,
@@ -385,6 +387,60 @@ def test_the_shorter_last_step_is_the_mean_over_its_samples():
     assert torch.allclose(loss, expected.detach(), rtol=1e-6)
     for p, q in zip(trainer.model.parameters(), reference.parameters()):
         assert torch.allclose(p.detach(), q.detach() - q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_checkpoints_take_the_runs_parts_and_state_and_return_the_state_they_load(tmp_path):
+    """RunCheckpoints is given the run's parts and a TrainState, and its resume returns
+    the TrainState it loaded, the parts loaded through their own load_state_dict: no
+    trainer to write into. With --allow-changed-config a new lr reaches the scheduler
+    through its load_state_dict, as the schedule of a run started with it has it at
+    that step (the base rate, the last rate, each group's rate, and the next step's)."""
+    import dataclasses
+
+    import torch
+    import torch.nn as nn
+
+    from mpfp16 import distributed as mdist
+    from mpfp16.convert import to_half
+    from mpfp16.train import build
+    from mpfp16.train.checkpointing import RunCheckpoints
+    from mpfp16.train.state import TrainState
+
+    info = mdist.DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)
+
+    def checkpoints(cfg, seed, steps=0):  # a tiny model, its optimizer and schedule as the scripts build them
+        torch.manual_seed(seed)
+        model = to_half(nn.Linear(4, 3))
+        opt = build.optimizer(cfg, model, world_size=1)
+        sched = build.schedule(cfg, opt, train_samples=64).scheduler
+        for _ in range(steps):
+            opt.zero_grad()
+            opt.backward(model(torch.randn(2, 4, dtype=torch.float16)).float().sum())
+            opt.step()
+            sched.step()
+        return RunCheckpoints(cfg, info, model, model, opt, sched, run_facts={"processes": 1, "training images": 64},
+                              training_images=64)
+
+    cfg = TrainConfig(task="cifar", batch_size=16, epochs=2, checkpoint_dir=str(tmp_path))
+    assert checkpoints(dataclasses.replace(cfg, resume="auto"), 0).resume() == TrainState()  # nothing to resume
+    saving = checkpoints(cfg, 0, steps=3)
+    saving.save(TrainState(step=3, epoch=0, samples_done=48, best_acc1=12.5, best_epoch=1, elapsed_before=1.0),
+                elapsed=2.5)
+    expected = TrainState(step=3, epoch=0, samples_done=48, best_acc1=12.5, best_epoch=1, elapsed_before=2.5)
+    same = checkpoints(dataclasses.replace(cfg, resume="auto"), seed=1)
+    assert same.resume() == expected
+    assert same.sched.state_dict() == saving.sched.state_dict()
+    torch.testing.assert_close(same.model.state_dict(), saving.model.state_dict(), rtol=0, atol=0)
+
+    faster = dataclasses.replace(cfg, resume="auto", lr=2 * cfg.lr, allow_changed_config=True)
+    changed, reference = checkpoints(faster, seed=1), checkpoints(faster, seed=0, steps=3)
+    assert changed.resume() == expected
+    assert changed.sched.state_dict() == reference.sched.state_dict()
+    assert changed.sched.base_lrs == [2 * cfg.lr] and changed.sched.get_last_lr() == reference.sched.get_last_lr()
+    assert [g["lr"] for g in changed.opt.param_groups] == [g["lr"] for g in reference.opt.param_groups]
+    changed.sched.step()
+    reference.sched.step()
+    assert [g["lr"] for g in changed.opt.param_groups] == [g["lr"] for g in reference.opt.param_groups]
 
 
 def test_the_position_of_an_early_checkpoint_counts_its_processes_by_its_rng_states():

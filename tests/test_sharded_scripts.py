@@ -9,7 +9,7 @@ import checkpoint_workers as CW
 import train_cifar
 from dist_helpers import scripts, torchrun as launch
 from mpfp16.checkpoint import dcp
-from mpfp16.optimizer import upgrade_state_dict
+from mpfp16.state_format import upgrade_state_dict
 from run_helpers import assert_same_sharded_state, kill_a_worker_once_saved, records, run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,11 +77,14 @@ def saved_snapshot(state: dict, names: list[str] | None = None) -> dict:
     """A training checkpoint (whole tensors, either layout, any format version) as
     checkpoint_workers.snapshot sees a live run, plus its position. ``names``: the
     parameters' names, for a version that did not record them."""
-    opt = upgrade_state_dict(state["optimizer"])
-    names, model = opt["param_names"] or names, state["model"]
-    masters = {n: (m if m is not None else model[n]) for n, m in zip(names, opt["master_params"])}
+    opt = upgrade_state_dict(state["optimizer"], state["model"])
+    keys, model = list(opt["params"]), state["model"]
+    names = names if keys == [str(i) for i in range(len(keys))] else keys  # an early version recorded no names
+    name_of = dict(zip(keys, names))
+    masters = {name_of[k]: (e["master"] if e["master"] is not None else model[name_of[k]])
+               for k, e in opt["params"].items()}
     return {"masters": masters, "buffers": {k: v for k, v in model.items() if k not in masters},
-            "state": {f"{names[int(i)]}.{k}": v for i, s in opt["optimizer"]["state"].items() for k, v in s.items()},
+            "state": {f"{name_of[key]}.{k}": v for key, s in opt["optimizer"]["state"].items() for k, v in s.items()},
             "scaler": opt["scaler"], "skipped": opt["skipped_steps"], "iteration": opt["iteration"],
             "position": position_of(state["step"], state["epoch"], state["batches_done"],
                                     state["scheduler"]["last_epoch"], state["best_acc1"]),
@@ -152,7 +155,7 @@ def test_a_checkpoint_written_before_the_stores_resumes_either_way(tmp_path, cap
     assert run_main(train_cifar.main, unsharded + ["--epochs", "3", "--max-steps", "3", "--checkpoint-dir",
                                                    str(first)], capsys)[0] == 0
     state = torch.load(first / "last.pt", weights_only=True)
-    names = state["optimizer"]["param_names"]
+    names = list(state["optimizer"]["params"])
     state["optimizer"] = CW.as_old_flat(state["optimizer"])
     del state["checksums"]  # those versions wrote none (and these no longer fit the edited state)
     assert "param_names" not in state["optimizer"] and "store" not in state["optimizer"]

@@ -17,6 +17,7 @@ import mpfp16
 import train_imagenet
 from mpfp16.train import models
 from mpfp16.train.config import TrainConfig
+from reference import saved_masters
 from run_helpers import records, run_main
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -60,7 +61,7 @@ def test_vit_b_16_trains_in_fp16_at_the_run_image_size(tmp_path, capsys):
             else:
                 assert state[key].dtype == torch.float16, key
     assert len(set(norms)) == 2 * 12 + 1 and "encoder.ln" in norms  # two per block, and the encoder's final one
-    masters = [m for m in ckpt["optimizer"]["master_params"] if m is not None]
+    masters = [m for m in saved_masters(ckpt["optimizer"]) if m is not None]
     assert masters and all(m.dtype == torch.float32 for m in masters)
     del ckpt, state
     for name in ("last.pt", "best.pt"):  # 860 MB each

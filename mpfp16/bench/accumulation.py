@@ -80,7 +80,10 @@ class Holder:
         self.opt.backward(torch.stack([p.view(-1)[0].float() for p in self.params]).sum() * 0.0)
 
     def accumulate(self) -> None:
-        self.opt.store.open_sums()  # a no-op inside a step's micro-batches; after a step it starts a new sum
+        state = self.opt._guard.state  # what opt.backward() does after its backward pass, alone
+        if not state.sums_open:  # after a step: a new sum, as the step's first backward opens it
+            self.opt.store.open_sums()
+            state.sums_open = True
         self.opt.store.accumulate()
 
     def step(self) -> None:

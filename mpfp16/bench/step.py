@@ -68,7 +68,7 @@ import torch
 import torch.nn as nn
 
 from ..convert import NORM_TYPES
-from ..optimizer import OVERFLOW_REPORTED, FP16Optimizer
+from ..optimizer import FP16Optimizer
 from ..scaler import LossScaler
 from . import roofline
 from .timing import Timer, time_call
@@ -288,7 +288,7 @@ class _Skipping(_Mpfp16):
             raise RuntimeError("the step with an inf gradient was not skipped with one culprit")
 
     def scan(self) -> None:
-        self.opt.store.nonfinite_grads(OVERFLOW_REPORTED)
+        self.opt.report_overflow(before_unscale=True)
 
 
 def loss_flag_us(device: torch.device, calls: int = 2000) -> float:

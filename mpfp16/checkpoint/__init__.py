@@ -3,7 +3,7 @@
     fmt = mpfp16.checkpoint.format_for(model)       # a DCP folder for a sharded model, else a file
     fmt.save("run/last" + fmt.suffix, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 7})
     fmt.keep_as_best("run/last" + fmt.suffix, "run/best" + fmt.suffix)
-    state = mpfp16.checkpoint.read("run/last.pt", model, opt)   # either format, in this run's layout
+    state = mpfp16.checkpoint.read("run/last.pt", model)   # either format, for this run's model
     model.load_state_dict(state["model"]); opt.load_state_dict(state["optimizer"])
 
 The two formats (:mod:`.file`, :mod:`.dcp`):
@@ -16,7 +16,7 @@ The two formats (:mod:`.file`, :mod:`.dcp`):
 Which one a run writes follows from its model, once; the caller never branches on it.
 :func:`read` takes either: a plain run reads a DCP folder whole (no process group
 needed), and a sharded run cuts its shards from a file. The state comes back in the
-layout of the model and optimizer given (:func:`.layout.to_layout_of`), with the same
+layout of the model given (the optimizer's state has one form for every layout), with the same
 masters, optimizer state and counters, bit for bit.
 
 Every call is made by every rank, and every failure is one line, the same
@@ -32,10 +32,9 @@ import shutil
 import torch
 
 from ..errors import CheckpointError, one_line
-from ..parallel.base import all_gather_object, failures, get_rank, get_world_size, is_initialized, raise_first
+from ..parallel.ranks import all_gather_object, failures, get_rank, get_world_size, is_initialized, raise_first
 from ..parallel.fsdp_shim import is_sharded
 from . import dcp, file
-from .layout import to_layout_of
 
 __all__ = ["FORMAT", "Format", "FILE", "DCP", "FORMATS", "format_for", "format_of", "read", "saved_step", "remove",
            "remove_unfinished", "check_same_everywhere", "describe_mismatch", "rng_state", "set_rng_state"]
@@ -167,18 +166,20 @@ def _read_dcp(path: str, model: torch.nn.Module) -> dict:
     return state
 
 
-def read(path: str, model: torch.nn.Module, opt, check=None) -> dict:
+def read(path: str, model: torch.nn.Module, check=None) -> dict:
     """Read the training checkpoint at ``path`` (a file or a DCP folder, whichever run
-    wrote it) for ``model`` and ``opt`` (an :class:`~mpfp16.FP16Optimizer` built with
-    ``model=``); a collective. Returns its state in this run's layout, for
-    ``model.load_state_dict(state["model"])`` then ``opt.load_state_dict(state["optimizer"])``.
+    wrote it) for ``model``; a collective. Returns its state, for
+    ``model.load_state_dict(state["model"])`` then ``opt.load_state_dict(state["optimizer"])``:
+    the model's tensors as ``model`` holds them (whole, or each rank's shard), and the
+    optimizer's state in its one form, which every store loads
+    (mpfp16/state_format.py).
 
     First every rank finds out what it sees at ``path``, and the ranks check that they
     all see the same checkpoint (without a shared file system they may not).
 
     Args:
-        check: called with the state as saved, before it is converted to this run's
-            layout; what it raises propagates. It must decide from the state alone,
+        check: called with the state as saved, before its model part is made like
+            this run's; what it raises propagates. It must decide from the state alone,
             so that every rank raises the same (a resume that changed a setting, say).
 
     Raises:
@@ -198,11 +199,37 @@ def read(path: str, model: torch.nn.Module, opt, check=None) -> dict:
         check(state)
     error = None
     try:
-        state = to_layout_of(state, model, opt)
+        state = _for_model(state, model)
     except (ValueError, KeyError, TypeError) as exc:
         error = f"checkpoint {path} does not fit this run: {one_line(exc)}"
     _agree(error)
     return state
+
+
+def _for_model(state: dict, model: torch.nn.Module) -> dict:
+    """``state`` with its model's tensors as ``model`` holds them (whole, in its dtype;
+    or a DTensor of its sharding, each rank cutting its own shard) and its optimizer
+    state in this version's form: a sharded run of an earlier version kept its fp32
+    masters in the model's state alone, where the upgrade finds them."""
+    from ..state_format import upgrade_state_dict
+
+    targets = model.state_dict()
+    model_state = {key: _like(value, targets[key]) if key in targets and torch.is_tensor(value) else value
+                   for key, value in state["model"].items()}
+    return {**state, "model": model_state, "optimizer": upgrade_state_dict(state["optimizer"], state["model"])}
+
+
+def _like(t: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if is_sharded(t) and is_sharded(target) and (t.device_mesh, tuple(t.placements)) == (
+            target.device_mesh, tuple(target.placements)):
+        return t  # read into this model's own shards already (a DCP folder)
+    whole = t.full_tensor() if is_sharded(t) else t
+    if not is_sharded(target):
+        return whole.to(target.dtype)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.to(dtype=target.dtype, device=target.device), target.device_mesh,
+                             target.placements, src_data_rank=None)
 
 
 def check_same_everywhere(found: list[dict]) -> None:

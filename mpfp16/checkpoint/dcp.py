@@ -53,7 +53,7 @@ import warnings
 import torch
 
 from ..errors import CheckpointError, one_line
-from ..parallel.base import broadcast_object, failures, get_rank, get_world_size, raise_first
+from ..parallel.ranks import all_gather_object, broadcast_object, failures, get_rank, get_world_size, raise_first
 from ..parallel.fsdp_shim import is_sharded
 from ..serialization import fsync_dir, load_weights_only, write_failure
 from . import file as file_format
@@ -71,27 +71,65 @@ _MARK = "__mpfp16_dtensor__"
 # ------------------------------------------------------------------ structure
 
 
-def _split(obj, path: str, dtensors: dict):
-    """``obj`` with each DTensor replaced by a marker naming it in ``dtensors``."""
+def _walk_dtensors(obj, path: str, out: list) -> list:
+    """``(path, DTensor)`` of every DTensor in ``obj``, in order."""
+    if isinstance(obj, torch.Tensor) and is_sharded(obj):
+        out.append((path, obj))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _walk_dtensors(v, f"{path}/{k}", out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _walk_dtensors(v, f"{path}/{i}", out)
+    return out
+
+
+def _aliases(obj) -> dict[str, str]:
+    """The DTensors of ``obj`` that hold the same data as one met before them (an
+    optimizer's fp32 master that is the model's own sharded parameter): ``{path:
+    first path}``, agreed by every rank (one small all-gather), so that each is
+    written once; a rank's empty shards cannot tell tensors apart, and every rank
+    must write the same tensors."""
+    seen, found = {}, {}
+    for path, t in _walk_dtensors(obj, "", []):
+        local = t.to_local()
+        same = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.stride()), local.dtype,
+                tuple(t.shape))
+        first = seen.setdefault(same, path)
+        if first != path:
+            found[path] = first
+    every = all_gather_object(found)
+    return {path: first for path, first in found.items() if all(f.get(path) == first for f in every)}
+
+
+def _split(obj, path: str, dtensors: dict, aliases: dict[str, str]):
+    """``obj`` with each DTensor replaced by a marker naming it in ``dtensors``; an
+    alias (:func:`_aliases`) by a marker naming the first, which a load puts at both."""
     if isinstance(obj, torch.Tensor) and is_sharded(obj):
         from torch.distributed.tensor import Shard
 
         if tuple(obj.placements) != (Shard(0),):
             raise ValueError(f"{path}: only tensors sharded along dim 0 over a 1-D mesh are supported, "
                              f"got placements {obj.placements}")
-        dtensors[path] = obj
-        return {_MARK: path, "shape": list(obj.shape), "dtype": str(obj.dtype).replace("torch.", "")}
+        first = aliases.get(path, path)
+        if first == path:
+            dtensors[path] = obj
+        return {_MARK: first, "shape": list(obj.shape), "dtype": str(obj.dtype).replace("torch.", "")}
     if isinstance(obj, dict):
-        return {k: _split(v, f"{path}/{k}", dtensors) for k, v in obj.items()}
+        return {k: _split(v, f"{path}/{k}", dtensors, aliases) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_split(v, f"{path}/{i}", dtensors) for i, v in enumerate(obj))
+        return type(obj)(_split(v, f"{path}/{i}", dtensors, aliases) for i, v in enumerate(obj))
     return obj
 
 
 def _markers(obj, found: dict) -> dict:
+    """``{path: marker}`` of the DTensors ``obj`` holds. Two markers of one path (a
+    tensor written once for two places) must be the same record: where they differ,
+    one is damaged, and the record kept is one :func:`_check_markers` refuses."""
     if isinstance(obj, dict):
         if _MARK in obj:
-            found[obj[_MARK]] = obj
+            key = obj[_MARK]
+            found[key] = obj if found.get(key, obj) == obj else {_MARK: key, "shape": None, "dtype": None}
         else:
             for v in obj.values():
                 _markers(v, found)
@@ -263,7 +301,7 @@ def save(path: str, state: dict, tag: str = "", checksum: bool = True) -> str:
     if checksum:  # a collective: each rank sums its own shards
         state[integrity.KEY] = integrity.checksums(state)
     dtensors: dict = {}
-    skeleton = _split(state, "", dtensors)
+    skeleton = _split(state, "", dtensors, _aliases(state))
     stamp = broadcast_object(f"{DATA_PREFIX}{tag + '-' if tag else ''}{secrets.token_hex(4)}")
     tmp = os.path.join(parent, f".{stamp}.tmp")
     final = os.path.join(parent, stamp)

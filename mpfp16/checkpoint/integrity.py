@@ -57,7 +57,7 @@ import struct
 import torch
 
 from ..errors import CheckpointError
-from ..parallel.base import all_gather_object
+from ..parallel.ranks import all_gather_object
 from ..parallel.fsdp_shim import is_sharded
 
 __all__ = ["ALGORITHM", "TENSORS_ONLY", "KEY", "checksums", "verify", "mismatch", "misplaced", "tensor_sums",

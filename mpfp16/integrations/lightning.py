@@ -30,8 +30,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..convert import to_half
-from ..optimizer import FP16Optimizer, check_options, make_scaler
-from ..parallel.base import is_main_process
+from ..optimizer import FP16Optimizer
+from ..options import check_options, make_scaler
+from ..parallel.ranks import is_main_process
 from ..parallel.ddp import attach
 from ..parallel.handles import handle_of
 

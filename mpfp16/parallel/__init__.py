@@ -12,7 +12,7 @@ import-linter contract in pyproject.toml):
   the only user of FSDP2's private API;
 - ``powersgd``: torch's PowerSGD state, kept for exact resumes; ``handles``: one
   handle per wrapped or sharded model;
-- ``base``: rank helpers and "every rank agrees", importing nothing from mpfp16.
+- ``ranks``: rank helpers and "every rank agrees", importing nothing from mpfp16.
 
-Nothing is imported here, so that importing ``mpfp16.parallel.base`` stays light.
+Nothing is imported here, so that importing ``mpfp16.parallel.ranks`` stays light.
 """

@@ -3,8 +3,8 @@
 ``FP16Optimizer(..., accumulate_dtype=torch.float32)`` keeps each 16-bit
 parameter's gradient, summed over the micro-batches of one optimizer step, in an
 fp32 buffer: after each ``opt.backward()`` the fresh 16-bit gradients are added into
-it and zeroed. Its store registers those fp32 views here (:func:`register`), by
-parameter.
+it and zeroed. The optimizer registers its store's fp32 views here (:func:`register`),
+by parameter, with the step guard that owns them.
 
 Under data parallelism the step still makes one exchange, on the last micro-batch,
 and it must carry the sum, not that micro-batch alone. mpfp16's communication hooks
@@ -20,7 +20,7 @@ Either way the average lands in the sums themselves (:meth:`Carry.land`).
 
 Any other exchange (a stock ``DistributedDataParallel``, an allreduce of ``.grad``
 written by hand) would send the last micro-batch only: the hooks mark each sum they
-carry (``SumOwner.carried``), and the optimizer refuses a distributed step whose sums
+carry (their owner's ``carried``), and the optimizer refuses a distributed step whose sums
 no exchange carried.
 
 The registry holds the parameters weakly and by identity (a tensor's ``==`` is
@@ -34,7 +34,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["register", "open_sums", "Carry", "SumOwner", "add_widened"]
+__all__ = ["register", "open_sums", "Carry", "add_widened"]
 
 WIDEN_CHUNK = 1 << 18  # elements widened at a time: 1 MiB of fp32, in cache
 
@@ -54,25 +54,20 @@ def add_widened(total: torch.Tensor, half: torch.Tensor) -> None:
         flat_total[start:start + WIDEN_CHUNK].add_(flat_half[start:start + WIDEN_CHUNK].float())
 
 
-class SumOwner:
-    """What owns a set of registered sums: ``sum_open`` is True from the first
-    backward of an optimizer step (which zeroes the sums) until the step (or
-    ``zero_grad()``) consumes them; only open sums are carried. ``carried``: an
-    exchange carried some of them in this step."""
-
-    sum_open = False
-    carried = False
-
-
-# parameter -> (its fp32 sum view, a weak reference to the SumOwner): the owner (a
-# store) holds the parameters, so a strong reference would keep every key alive.
+# parameter -> (its fp32 sum view, a weak reference to its owner): the owner holds the
+# parameters, so a strong reference would keep every key alive.
 _SUMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def register(params: list[torch.Tensor], sums: list[torch.Tensor], owner: SumOwner) -> None:
-    """Record ``sums[i]`` (fp32, the shape of ``params[i]``) as the gradient sum of ``params[i]``."""
+def register(sums: list[tuple[torch.Tensor, torch.Tensor]], owner) -> None:
+    """Record each ``(parameter, fp32 sum of its shape)`` of ``sums``, owned by
+    ``owner``: an object with ``sum_open`` (True from the first backward of an
+    optimizer step until the step or ``zero_grad()`` consumes the sums; only open sums
+    are carried) and a settable ``carried`` (an exchange carried some of them in this
+    step). FP16Optimizer registers its sums with its step guard
+    (:class:`mpfp16.step_state.StepGuard`), explicitly, when it is built."""
     ref = weakref.ref(owner)
-    for p, s in zip(params, sums):
+    for p, s in sums:
         _SUMS[p] = (s, ref)
 
 

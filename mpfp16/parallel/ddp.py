@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import library_words
-from .base import group_ranks, is_initialized
+from .ranks import group_ranks, is_initialized
 from .handles import Handle, handle_of, register
 from .hooks import HOOKS, STRATEGIES, TORCH_STRATEGIES, HookState
 from .powersgd import RANDOM_SEED, PowerSGDMemory

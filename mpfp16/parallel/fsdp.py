@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from ..convert import HALF_DTYPES, keeps_fp32
 from ..errors import library_words
-from . import base
+from . import ranks
 from .fsdp_shim import accounted_collectives
 from .handles import Handle, handle_of, register
 from .hooks import CommStats
@@ -126,8 +126,8 @@ class _BufferSync:
     def before_forward(self, module, args) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
-        if self.next_forward and base.get_world_size(self.group) > 1:
-            base.broadcast_buffers(module, src=dist.get_global_rank(self.group, 0), process_group=self.group)
+        if self.next_forward and ranks.get_world_size(self.group) > 1:
+            ranks.broadcast_buffers(module, src=dist.get_global_rank(self.group, 0), process_group=self.group)
         handle = handle_of(module)
         self.next_forward = handle.sync if handle is not None else True
 
@@ -178,7 +178,7 @@ def shard(model: nn.Module, param_dtype: torch.dtype = torch.float16, reduce_dty
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    if not base.is_initialized():
+    if not ranks.is_initialized():
         raise RuntimeError("shard() needs torch.distributed: call mpfp16.distributed.init() first (under torchrun, "
                            "or for one process)")
     if isinstance(model, nn.parallel.DistributedDataParallel):

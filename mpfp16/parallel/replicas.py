@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ReplicaDivergenceError
-from ..flat import is_dense
-from .base import all_gather_object, get_world_size, group_ranks, is_initialized
+from ..flat_buffers import is_dense
+from .ranks import all_gather_object, get_world_size, group_ranks, is_initialized
 from .fsdp_shim import is_sharded
 
 __all__ = ["ReplicaDivergenceError", "check_replicas", "tensor_checksum"]
@@ -95,17 +95,24 @@ def _param_names(module: torch.nn.Module, optimizer) -> list[str]:
 
 
 def _readable(path: str, param_names: list[str]) -> str:
-    """'optimizer.state.3.exp_avg' -> "optimizer state 'exp_avg' of fc.weight"."""
-    parts = path.split(".")
-    if parts[0] == "model":
-        return ".".join(parts[1:])
-    if parts[0] == "optimizer" and len(parts) >= 4 and parts[1] == "state" and parts[2].isdigit():
-        index = int(parts[2])
-        name = param_names[index] if index < len(param_names) else f"parameter {index}"
-        return f"optimizer state '{'.'.join(parts[3:])}' of {name}"
-    if parts[0] == "master_params" and len(parts) == 2 and parts[1].isdigit():
-        index = int(parts[1])
-        return f"master weight of {param_names[index] if index < len(param_names) else f'parameter {index}'}"
+    """A place in what the check compares, as people say it: 'model.fc.weight' ->
+    'fc.weight'; 'optimizer.state.fc.weight.exp_avg' -> "optimizer state 'exp_avg' of
+    fc.weight"; 'params.fc.weight.master' -> 'master weight of fc.weight' (an
+    FP16Optimizer's state keys its parameters by name, or by position without
+    ``model=``; a plain torch optimizer's, by position)."""
+    def named(key: str) -> str:
+        if key.isdigit():
+            index = int(key)
+            return param_names[index] if index < len(param_names) else f"parameter {index}"
+        return key
+
+    if path.startswith("model."):
+        return path[len("model."):]
+    if path.startswith("optimizer.state.") and path.count(".") >= 3:
+        key, state = path[len("optimizer.state."):].rsplit(".", 1)
+        return f"optimizer state '{state}' of {named(key)}"
+    if path.startswith("params.") and path.endswith(".master"):
+        return f"master weight of {named(path[len('params.'):-len('.master')])}"
     return path
 
 

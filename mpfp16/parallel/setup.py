@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import library_words
-from .base import is_initialized
+from .ranks import is_initialized
 
 __all__ = ["DistInfo", "check_options", "check_environment", "init", "teardown", "close_at_teardown",
            "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "BACKENDS"]

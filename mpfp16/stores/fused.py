@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .base import unscale_and_check
+from .interface import unscale_and_check
 from .segments import runs
 
 __all__ = ["FusedStep", "SUPPORTED", "unsupported_reason", "fast_path_flag"]
@@ -74,12 +74,17 @@ class FusedStep:
 
     The kernels read the 16-bit gradients and unscale them on the fly, or, after
     ``unscale(..., materialize=True)`` (what ``FP16Optimizer.unscale_()`` asks for),
-    the unscaled fp32 gradients that it wrote into the masters' ``.grad``.
+    the unscaled fp32 gradients that it wrote into the masters' ``.grad``. What one
+    step found (the scale, whether the gradients were materialized, their sum of
+    squares) is in the step's state (:class:`mpfp16.step_state.StepState`), which each
+    phase is handed. The groups are reached through their kernel methods
+    (:meth:`mpfp16.stores.groups.ParamGroup.kernel_buffers`, ``check_grads``,
+    ``kernel_rounding``, ``ready_fp32_grads``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups, stepped, rounding: str = "nearest") -> None:
         self.optimizer = optimizer
-        self.groups = groups  # the FlatGroup list
+        self.groups = groups  # the ParamGroups, every one flat
         self.stepped = stepped
         self.rounding = rounding
         self.is_sgd = type(optimizer) is torch.optim.SGD
@@ -87,28 +92,21 @@ class FusedStep:
         self._segments: dict = {}  # flat group index -> the segments stepped (module docstring)
         self._steps: dict = {}  # (flat group index, segment index) -> Adam step counters
         self._adopted_for = None  # the requires_grad pattern the segments were made for
-        self.from_master_grads = False  # this step reads the unscaled fp32 gradients
-        self._scale = 1.0  # the loss scale of this step's gradients
-        self._sumsq: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ the phases
 
-    def unscale(self, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
+    def unscale(self, state, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
         """[found_inf]; without ``materialize``, read straight from the 16-bit
-        gradient buffers (and their sum of squares when ``with_norm``)."""
-        self.from_master_grads = materialize
-        self._scale = scale
+        gradient buffers (and their sum of squares when ``with_norm``, kept in
+        ``state.grad_sumsq``)."""
         if materialize:
             for g in self.groups:
-                if g.accumulating:
-                    g.prepare_master_grads()  # the fp32 sum is there already
-                elif g.half:
-                    g.grads_to_master()
+                g.ready_fp32_grads()
             return unscale_and_check([t for g in self.groups for t in g.fp32_grads()], scale)
         device = self.groups[0].device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
         for g in self.groups:
-            grads = self._read_grads(g)
+            grads = g.check_grads(materialized=False)
             if self._native_check(grads, with_norm):
                 stats[0] += float(native.nonfinite(grads, 1.0 / scale))
             else:
@@ -116,7 +114,7 @@ class FusedStep:
 
                 kernel = kernels.compiled(kernels.grad_stats, with_norm=with_norm)
                 stats += kernel(grads, kernels.scalar(1.0 / scale, g.device)).to(device)
-        self._sumsq = stats[1]
+        state.grad_sumsq = stats[1]
         return stats[:1]
 
     @staticmethod
@@ -127,19 +125,14 @@ class FusedStep:
 
     def _native_adam(self, g, grad_dtype: torch.dtype) -> bool:
         """Whether native.adam_update steps this group's segments."""
-        return not self.is_sgd and native.handles(g.device, g.dtype, grad_dtype, self._rounding(g))
+        return not self.is_sgd and native.handles(g.device, g.dtype, grad_dtype, g.kernel_rounding(self.rounding))
 
-    def _read_grads(self, g) -> torch.Tensor:
-        """The gradient buffer this step reads: the unscaled fp32 gradients after
-        ``unscale_()``, the scaled fp32 sum under fp32 accumulation, else the 16-bit
-        gradients (fp32 ones for an fp32 group)."""
-        return g.master_grads if g.half and (self.from_master_grads or g.accumulating) else g.grads
-
-    def grad_norm(self) -> torch.Tensor:
-        """From the flat sum of squares, which can differ from clip_grad_norm_'s
-        per-tensor norms in the last bits (the flat store computes it from the fp32
-        gradients as the unfused step does after ``unscale_()``)."""
-        return self._sumsq.sqrt()
+    @staticmethod
+    def grad_norm(state) -> torch.Tensor:
+        """From the flat sum of squares the check found, which can differ from
+        clip_grad_norm_'s per-tensor norms in the last bits (the flat store computes it
+        from the fp32 gradients as the unfused step does after ``unscale_()``)."""
+        return state.grad_sumsq.sqrt()
 
     def invalidate(self) -> None:
         """The inner optimizer's state was replaced (load_state_dict): adopt it again."""
@@ -195,41 +188,28 @@ class FusedStep:
                     self._steps[(gi, si)] = steps
         self._adopted_for = pattern
 
-    def update(self, clip_coef: torch.Tensor | None, noise: list) -> None:
-        """One kernel per segment: update, and write the new 16-bit weights."""
+    def update(self, state, scale: float, clip_coef: torch.Tensor | None, noise: list) -> None:
+        """One kernel per segment: update, and write the new 16-bit weights (``scale``:
+        that of the step's gradients, unless ``state`` says they were unscaled)."""
         pattern = tuple(p.requires_grad for g in self.groups for p in g.params)
         if self._adopted_for != pattern:
             self._adopt(pattern)
-        inv_scale = 1.0 if self.from_master_grads else 1.0 / self._scale
+        inv_scale = 1.0 if state.materialized else 1.0 / scale
         for gi, g in enumerate(self.groups):
             for si, segment in enumerate(self._segments[gi]):
                 hyper = self.optimizer.param_groups[segment.group_index]
                 if self.is_sgd:
-                    self._sgd(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi])
+                    self._sgd(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi], state.materialized)
                 else:
-                    self._adam(gi, si, g, segment, hyper, inv_scale, clip_coef, noise[gi])
+                    self._adam(gi, si, g, segment, hyper, inv_scale, clip_coef, noise[gi], state.materialized)
 
-    def _rounding(self, g) -> str:
-        """How the kernels write this group's weights: a bf16 group with remainders
-        reads and writes its exact masters as weights and remainders (``comp``)."""
-        if g.remainder is not None:
-            return "remainder"
-        return self.rounding if g.transient else "nearest"
-
-    @staticmethod
-    def _comp(g):
-        """The kernels' ``comp`` buffer: Kahan's compensation, or the remainders."""
-        return g.remainder if g.remainder is not None else g.comp
-
-    def _slices(self, gi, g, segment, names, noise):
+    def _slices(self, gi, g, segment, names, noise, materialized):
         s = segment.range
-        master = g.master[s] if g.has_master else None
-        grad = self._read_grads(g)[s]
-        comp = self._comp(g)
-        extras = (noise[s] if noise is not None else None, comp[s] if comp is not None else None)
-        return g.weights[s], grad, master, [self._flat_state[(gi, n)][s] for n in names], extras
+        b = g.kernel_buffers(s, materialized)
+        extras = (noise[s] if noise is not None else None, b.comp)
+        return b.weights, b.grad, b.master, [self._flat_state[(gi, n)][s] for n in names], extras
 
-    def _sgd(self, gi, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
+    def _sgd(self, gi, g, segment, hyper, inv_scale, clip_coef, noise, materialized) -> None:
         from .kernels import compiled, scalar, sgd_update
 
         dev = g.device
@@ -237,8 +217,8 @@ class FusedStep:
         names = self._state_names(hyper)
         state = self.optimizer.state
         first = bool(names) and "momentum_buffer" not in state[g.master_views[segment.indices[0]]]
-        weights, grad, master, bufs, (noise, comp) = self._slices(gi, g, segment, names, noise)
-        compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, self._rounding(g)))(
+        weights, grad, master, bufs, (noise, comp) = self._slices(gi, g, segment, names, noise, materialized)
+        compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, g.kernel_rounding(self.rounding)))(
             weights, grad, master, bufs[0] if bufs else None, noise, comp, scalar(inv_scale, dev),
             scalar(1.0, dev) if clip_coef is None else clip_coef, scalar(_value(hyper["lr"]), dev),
             scalar(hyper["weight_decay"], dev), scalar(momentum, dev), scalar(1 - hyper["dampening"], dev))
@@ -247,7 +227,7 @@ class FusedStep:
             for i in segment.indices:
                 state[g.master_views[i]]["momentum_buffer"] = views[i]
 
-    def _adam(self, gi, si, g, segment, hyper, inv_scale, clip_coef, noise) -> None:
+    def _adam(self, gi, si, g, segment, hyper, inv_scale, clip_coef, noise, materialized) -> None:
         steps = self._steps[(gi, si)]
         steps += 1
         step = float(steps[0])
@@ -256,8 +236,8 @@ class FusedStep:
         bias_correction2 = 1 - beta2**step
         step_size = lr / bias_correction1
         weights, grad, master, (exp_avg, exp_avg_sq), (noise, comp) = self._slices(
-            gi, g, segment, ("exp_avg", "exp_avg_sq"), noise)
-        flags = self._adam_flags(hyper, master is not None, self._rounding(g))
+            gi, g, segment, ("exp_avg", "exp_avg_sq"), noise, materialized)
+        flags = self._adam_flags(hyper, master is not None, g.kernel_rounding(self.rounding))
         # The step's scalars in Python doubles, in the order of the kernels' arguments:
         # the weight decay's two, the moments' three, the new parameter's three.
         scalars = dict(weight_decay=wd, decay_factor=1 - lr * wd, one_minus_beta1=1 - beta1, beta2=beta2,
@@ -332,7 +312,7 @@ class FusedStep:
                         compiled(grad_stats, with_norm=norm)(grads, scalar(1.0, dev))
             for segment in g.segments:
                 hyper = self.optimizer.param_groups[segment.group_index]
-                rounding = self._rounding(g)
+                rounding = g.kernel_rounding(self.rounding)
                 flags = (self._sgd_flags(hyper, g.has_master, False, rounding) if self.is_sgd
                          else self._adam_flags(hyper, g.has_master, rounding))
                 if (dev, dtype, tuple(flags.items())) in seen:

@@ -3,7 +3,7 @@ param group, and whatever else a step splits on), one kernel call each."""
 
 from __future__ import annotations
 
-from .. import flat
+from .. import flat_buffers
 
 __all__ = ["Segment", "runs"]
 
@@ -27,7 +27,7 @@ class Segment:
         return slice(self.start, self.end)
 
 
-def runs(keys: list, layout: flat.FlatLayout) -> list[Segment]:
+def runs(keys: list, layout: flat_buffers.FlatLayout) -> list[Segment]:
     """The maximal runs of equal ``keys`` (one per parameter, in buffer order)."""
     segments, first, offsets = [], 0, layout.offsets
     for i in range(1, len(keys) + 1):

@@ -16,9 +16,20 @@ import torch.distributed as dist
 
 from ..parallel.fsdp_shim import is_sharded, unsharded_tensors
 from ..parallel.handles import handle_of
-from .base import ParamStore, find_nonfinite, storage_bytes, unscale_and_check
+from .interface import ParamStore, find_nonfinite, storage_bytes, unscale_and_check, whole
 
 __all__ = ["ShardedStore", "holds_sharded"]
+
+
+def like_shard(t: torch.Tensor, target) -> torch.Tensor:
+    """``t`` (whole, or a DTensor of any sharding) as ``target`` (a DTensor) holds it:
+    of its dtype, device and sharding; a whole tensor is cut by each rank alone."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if is_sharded(t) and (t.device_mesh, tuple(t.placements)) == (target.device_mesh, tuple(target.placements)):
+        return t.to(target.dtype)  # of this sharding already
+    return distribute_tensor(whole(t).to(dtype=target.dtype, device=target.device), target.device_mesh,
+                             target.placements, src_data_rank=None)
 
 
 def holds_sharded(params) -> bool:
@@ -113,19 +124,19 @@ class ShardedStore(ParamStore):
                 p.grad = torch.zeros_like(p)
         return [p.grad.to_local() for p in self.params if p.grad is not None]
 
-    def unscale(self, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
+    def unscale(self, state, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
         """fp32 shard gradients /= scale in place, and whether this rank's shards hold
         inf/NaN (GradScaler's kernel); the optimizer reduces the flag over the group."""
         return unscale_and_check(self._local_grads(), scale).to(self.device)
 
-    def nonfinite_grads(self, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
+    def nonfinite_grads(self, state, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
         """This rank's shards of the fp32 gradients (unscaled in place, or not yet:
         inf/NaN are the same); the optimizer gathers the ranks' reports, whose counts
         add up to the whole parameter's."""
         return find_nonfinite(((i, p.grad.to_local()) for i, p in enumerate(self.params) if p.grad is not None),
                               limit)
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(self, state) -> torch.Tensor:
         """The global 2-norm: the squares of this rank's shard norms, summed over the
         group."""
         grads = [p.grad.to_local() for p in self.params if p.requires_grad and p.grad is not None]
@@ -135,7 +146,7 @@ class ShardedStore(ParamStore):
             dist.all_reduce(squares, group=self.group)
         return squares.sqrt()
 
-    def update(self, clip_coef: torch.Tensor | None, rng: torch.Generator) -> None:
+    def update(self, state, scale: float, clip_coef: torch.Tensor | None, rng: torch.Generator) -> None:
         grads = [p.grad.to_local() for p in self.params if p.requires_grad and p.grad is not None]
         if clip_coef is not None and grads:
             torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
@@ -174,17 +185,21 @@ class ShardedStore(ParamStore):
         report["total"] = sum(report.values())
         return report
 
-    def state(self) -> dict:
-        """The masters are the model's own sharded parameters, in the model's
-        state_dict; this says which compute dtype made their gradients."""
-        return {"master_params": [None] * len(self.params), "kahan_compensation": [],
-                "compute_dtype": _dtype_name(self.compute_dtype)}
+    def param_state(self) -> list[dict]:
+        """The masters are the model's own sharded fp32 parameters."""
+        return [{"master": p.detach()} for p in self.params]
 
-    def check_state(self, state_dict: dict) -> None:
-        dtype = _dtype_name(self.compute_dtype)
-        if state_dict.get("compute_dtype") != dtype:
-            raise ValueError(f"the state_dict was saved by a {state_dict.get('compute_dtype')} sharded model and "
-                             f"this one computes in {dtype}")
+    def saved_dtypes(self) -> list[str | None]:
+        return [None] * len(self.params)
 
-    def load_state(self, state_dict: dict) -> None:
-        pass
+    def like_stepped(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        return like_shard(t, self.params[index])
+
+    @torch.no_grad()
+    def load_state(self, entries: list[dict], legacy: dict) -> None:
+        """Each saved master (whole, or of any sharding) into its shard: this rank cuts
+        its own, with no communication for a whole one. None: the model's value stays
+        (it was loaded first)."""
+        for p, entry in zip(self.params, entries):
+            if entry.get("master") is not None:
+                p.copy_(like_shard(entry["master"], p))

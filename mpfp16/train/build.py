@@ -15,7 +15,7 @@ import torch.nn as nn
 from .. import distributed as mdist
 from ..convert import NORM_TYPES, to_half
 from ..errors import UserError
-from ..flat import flatten_parameters
+from ..flat_buffers import flatten_parameters
 from ..optimizer import FP16Optimizer
 from . import data as data_mod
 from . import models

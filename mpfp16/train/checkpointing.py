@@ -29,6 +29,7 @@ from ..errors import CheckpointError, UserError, one_line
 from . import resume as decide
 from . import rundir
 from .config import FREE_ON_RESUME
+from .state import TrainState
 
 __all__ = ["RunCheckpoints", "TRAINING_STATE", "check_training_state", "check_scaler_state",
            "check_continuation"]
@@ -223,13 +224,19 @@ def check_continuation(state: dict, where: str, *, base_lrs: list[float], multip
 class RunCheckpoints:
     """``DIR/last`` and ``DIR/best`` of a run, in the format of its model.
 
-    The methods that take a ``trainer`` (a :class:`mpfp16.train.engine.Trainer`) read
-    or set its model, optimizer, scheduler, position (``step``, ``epoch``,
-    ``samples_done``), best accuracy and elapsed time. Every rank calls every method.
+    It is given the run's parts once: the model, the module a step calls (``ddp``: a DDP
+    wrapper, or the model itself), the optimizer, the scheduler, this process's place
+    (``info``), the run's facts (:meth:`mpfp16.train.engine.Trainer.run_facts`) and the
+    training set's size. A save takes the run's :class:`~mpfp16.train.state.TrainState`
+    and :meth:`resume` returns the one it loaded; the parts are saved and loaded through
+    their own ``state_dict``/``load_state_dict``. It writes no field of the trainer's.
+    Every rank calls every method.
     """
 
-    def __init__(self, cfg, model) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg, info, model, ddp, opt, sched, *, run_facts: dict, training_images: int) -> None:
+        self.cfg, self.info = cfg, info
+        self.model, self.ddp, self.opt, self.sched = model, ddp, opt, sched
+        self.run_facts, self.training_images = run_facts, training_images
         self.format = checkpoint.format_for(model)
         self.last_path = os.path.join(cfg.checkpoint_dir, "last" + self.format.suffix)
         self.best_path = os.path.join(cfg.checkpoint_dir, "best" + self.format.suffix)
@@ -241,44 +248,44 @@ class RunCheckpoints:
 
     # ------------------------------------------------------------------ saving
 
-    def state(self, trainer) -> dict:
-        """Everything a resume needs to continue bit-identically (RNG states are
-        gathered from every rank: a collective)."""
+    def state(self, train: TrainState, elapsed: float) -> dict:
+        """Everything a resume needs to continue bit-identically from ``train``, after
+        ``elapsed`` seconds of training in all (RNG states are gathered from every rank:
+        a collective)."""
         rng = mdist.all_gather_object(checkpoint.rng_state())
-        comm = mdist.comm_state_dict(trainer.ddp) if trainer.ddp is not trainer.model else None
+        comm = mdist.comm_state_dict(self.ddp) if self.ddp is not self.model else None
         return {
-            "model": trainer.model.state_dict(),
-            "optimizer": trainer.opt.state_dict(),
-            "scheduler": trainer.sched.state_dict(),
-            "step": trainer.step,
-            "epoch": trainer.epoch,
-            "batches_done": trainer.batches_done,
-            "samples_done": trainer.samples_done,  # the position over all ranks: the same for any world size
-            "best_acc1": trainer.best_acc1,
-            "best_epoch": trainer.best_epoch,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "step": train.step,
+            "epoch": train.epoch,
+            "batches_done": train.batches_done(self.cfg.batch_size, self.info.world_size),
+            "samples_done": train.samples_done,  # the position over all ranks: the same for any world size
+            "best_acc1": train.best_acc1,
+            "best_epoch": train.best_epoch,
             "rng": rng,
-            "elapsed": trainer.elapsed(),
+            "elapsed": elapsed,
             "config": self.cfg.as_dict(),
-            "run": trainer.run_facts(),
+            "run": self.run_facts,
             # Every rank's communication-hook state (PowerSGD's error feedback differs between them).
             **({"comm": mdist.gather_object(comm)} if comm is not None else {}),
         }
 
-    def save(self, trainer, best: bool = False) -> None:
-        """Write DIR/last (and DIR/best), after checking that the ranks hold the same
-        state (and that no metrics write failed); then the same run's checkpoints of the other format, now superseded, go
-        (a run resumed with or without ``--shard``), so that the folder never holds two
-        "last" checkpoints that disagree."""
-        trainer.metrics.check()  # a metrics write that failed on rank 0 (a full disk) stops every rank here
-        trainer.check_replicas()  # never save a state the ranks do not share
-        self.format.save(self.last_path, self.state(trainer), tag=f"step{trainer.step}")
+    def save(self, train: TrainState, elapsed: float, best: bool = False) -> None:
+        """Write DIR/last (and DIR/best) of ``train``; then the same run's checkpoints of
+        the other format, now superseded, go (a run resumed with or without ``--shard``),
+        so that the folder never holds two "last" checkpoints that disagree. The caller
+        has checked that the ranks hold the same state and that no metrics write failed
+        (:meth:`mpfp16.train.engine.Trainer.save`)."""
+        self.format.save(self.last_path, self.state(train, elapsed), tag=f"step{train.step}")
         if best:
             self.format.keep_as_best(self.last_path, self.best_path)
         for kind in ("last", "best") if best else ("last",):
             for path in self._superseded[kind]:
                 checkpoint.remove(path)
             self._superseded[kind] = []
-        self.saved_at = trainer.step
+        self.saved_at = train.step
 
     def best_checkpoint(self) -> str:
         """DIR/best of this run's format, or, until this run wrote one, the other
@@ -308,103 +315,110 @@ class RunCheckpoints:
         logger.info("resume auto: %s", f"resuming from {path}" if path else f"no {self.last_path}, starting fresh")
         return path
 
-    def resume(self, trainer) -> None:
-        """Load ``--resume`` into ``trainer``: the model, the optimizer and the position,
-        whatever format and layout wrote it. Settings that changed are refused unless
-        ``--allow-changed-config``; then the ranks check they hold the same state."""
+    def resume(self) -> TrainState:
+        """Load ``--resume`` into the model, the optimizer and the scheduler, whatever
+        format and layout wrote it, and return the position and progress it holds (a
+        fresh run's where there is nothing to resume). Settings that changed are refused
+        unless ``--allow-changed-config``; then the ranks check they hold the same state."""
         cfg = self.cfg
         path = self.find()
         if path is None:
             if cfg.evaluate:
                 raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
-            return
+            return TrainState()
         changes: list = []
 
         def judge(saved: dict) -> None:  # before the checkpoint is converted to this run's layout
             fmt = checkpoint.format_of(path)
             where = os.path.join(path, checkpoint.dcp.META) if fmt is checkpoint.DCP else path
             check_training_state(saved, where)
-            check_scaler_state(saved, where, trainer.opt.scaler)
+            check_scaler_state(saved, where, self.opt.scaler)
             if cfg.evaluate:
                 return
-            changes.extend(decide.changed_settings(cfg, saved.get("config"), saved.get("run"), trainer.run_facts(),
+            changes.extend(decide.changed_settings(cfg, saved.get("config"), saved.get("run"), self.run_facts,
                                                    saved_processes=len(saved.get("rng", ()))))
             warning = decide.judge_changes(changes, cfg.allow_changed_config, path)
             if warning:
                 logger.warning("%s", warning)
-            if not changes and _records_every_setting(saved, cfg, trainer.run_facts()):
-                check_continuation(saved, where, base_lrs=trainer.sched.base_lrs,
-                                   multipliers=trainer.sched.lr_lambdas, training_images=len(trainer.data.spec.train),
-                                   epochs=cfg.epochs, batch_size=cfg.batch_size)
+            if not changes and _records_every_setting(saved, cfg, self.run_facts):
+                check_continuation(saved, where, base_lrs=self.sched.base_lrs, multipliers=self.sched.lr_lambdas,
+                                   training_images=self.training_images, epochs=cfg.epochs,
+                                   batch_size=cfg.batch_size)
 
-        ckpt = checkpoint.read(path, trainer.model, trainer.opt, check=judge)
-        self._load(trainer, path, ckpt, changes)
-        mdist.check_replicas(trainer.model, trainer.opt, context=f" after resuming from {path}")
-        logger.info("resumed from %s: epoch %d, step %d", path, trainer.epoch, trainer.step)
+        ckpt = checkpoint.read(path, self.model, check=judge)
+        train = self._load(path, ckpt, changes)
+        mdist.check_replicas(self.model, self.opt, context=f" after resuming from {path}")
+        logger.info("resumed from %s: epoch %d, step %d", path, train.epoch, train.step)
+        return train
 
-    def _load(self, trainer, path: str, ckpt: dict, changes: list) -> None:
-        cfg = self.cfg
+    def _load(self, path: str, ckpt: dict, changes: list) -> TrainState:
+        cfg, model, opt = self.cfg, self.model, self.opt
         saved_cfg = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
         try:
-            trainer.model.load_state_dict(ckpt["model"])
+            model.load_state_dict(ckpt["model"])
         except (RuntimeError, KeyError, TypeError, AttributeError):
             saved = ckpt.get("model")
-            why = (checkpoint.describe_mismatch(trainer.model.state_dict(), saved) if isinstance(saved, dict)
-                   else "no model")
+            why = checkpoint.describe_mismatch(model.state_dict(), saved) if isinstance(saved, dict) else "no model"
             raise CheckpointError(f"checkpoint {path} (arch {saved_cfg.get('arch', '?')}) does not fit this model "
                                   f"(arch {cfg.arch}): {why}") from None
-        fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.opt.param_groups]
-        fresh_scaler = trainer.opt.scaler.state_dict()  # a static --loss-scale changed on resume takes its new value
+        fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        fresh_scaler = opt.scaler.state_dict()  # a static --loss-scale changed on resume takes its new value
         try:
-            trainer.opt.load_state_dict(ckpt["optimizer"])
+            opt.load_state_dict(ckpt["optimizer"])
         except (ValueError, KeyError, RuntimeError) as exc:
             if saved_cfg.get("precision", cfg.precision) != cfg.precision:
                 raise CheckpointError(f"checkpoint {path} holds a --precision {saved_cfg['precision']} run and this "
                                       f"one is {cfg.precision}: their optimizer states (loss scaling, masters) "
                                       f"differ; resume with --precision {saved_cfg['precision']}") from None
             raise CheckpointError(f"checkpoint {path}: optimizer state does not fit: {exc}") from None
-        trainer.sched.load_state_dict(ckpt["scheduler"])
-        trainer.step, trainer.epoch = int(ckpt["step"]), int(ckpt["epoch"])
-        trainer.samples_done = decide.samples_done(ckpt, cfg.batch_size)
-        trainer.best_acc1, trainer.best_epoch = float(ckpt["best_acc1"]), ckpt["best_epoch"]
-        trainer.elapsed_before = float(ckpt.get("elapsed", 0.0))
+        self.sched.load_state_dict(ckpt["scheduler"])
         rngs = ckpt["rng"]
-        if len(rngs) == trainer.info.world_size:
-            checkpoint.set_rng_state(rngs[trainer.info.rank])
+        if len(rngs) == self.info.world_size:
+            checkpoint.set_rng_state(rngs[self.info.rank])
         if not cfg.evaluate:
-            self._load_comm_state(trainer, path, ckpt.get("comm"), bool(changes))
+            self._load_comm_state(path, ckpt.get("comm"), bool(changes))
         if changes:
-            self._apply_changed_settings(trainer, saved_cfg, fresh_groups)
-            if any(name == "loss_scale" for name, _, _ in changes) and not trainer.opt.scaler.dynamic:
-                trainer.opt.scaler.load_state_dict(fresh_scaler)  # it kept the saved scale in silence
+            self._apply_changed_settings(fresh_groups)
+            if any(name == "loss_scale" for name, _, _ in changes) and not opt.scaler.dynamic:
+                opt.scaler.load_state_dict(fresh_scaler)  # it kept the saved scale in silence
+        return TrainState(step=int(ckpt["step"]), epoch=int(ckpt["epoch"]),
+                          samples_done=decide.samples_done(ckpt, cfg.batch_size),
+                          best_acc1=float(ckpt["best_acc1"]), best_epoch=ckpt["best_epoch"],
+                          elapsed_before=float(ckpt.get("elapsed", 0.0)))
 
-    def _load_comm_state(self, trainer, path: str, saved, changed: bool) -> None:
+    def _load_comm_state(self, path: str, saved, changed: bool) -> None:
         """Give the communication hook its state back (:func:`mpfp16.train.resume.comm_state`)."""
-        cfg, ddp = self.cfg, trainer.ddp
-        has_state = ddp is not trainer.model and mdist.comm_state_dict(ddp) is not None
-        action, warning = decide.comm_state(hook_has_state=has_state, saved=saved, world_size=trainer.info.world_size,
+        cfg, ddp, rank = self.cfg, self.ddp, self.info.rank
+        has_state = ddp is not self.model and mdist.comm_state_dict(ddp) is not None
+        action, warning = decide.comm_state(hook_has_state=has_state, saved=saved, world_size=self.info.world_size,
                                             changed=changed, strategy=cfg.allreduce_strategy, path=path)
         if warning:
             logger.warning("%s", warning)
         if action != "load":
             return
         try:
-            inexact = mdist.load_comm_state_dict(ddp, saved[trainer.info.rank])
+            inexact = mdist.load_comm_state_dict(ddp, saved[rank])
         except ValueError as exc:
             raise CheckpointError(f"checkpoint {path}: {one_line(exc)}") from None
         warning = decide.judge_inexact_comm_state(inexact, cfg.allow_changed_config, path)
         if warning:
             logger.warning("%s", warning)
 
-    def _apply_changed_settings(self, trainer, saved_cfg: dict, fresh_groups: list[dict]) -> None:
+    def _apply_changed_settings(self, fresh_groups: list[dict]) -> None:
         """With --allow-changed-config: the new optimizer settings and lr replace the
-        saved ones. The position needs no conversion: it is in samples of the epoch's
+        saved ones. The scheduler takes the new base learning rates, and the learning
+        rates they give at its saved step, through its own ``load_state_dict`` (its
+        ``base_lrs`` and ``_last_lr`` are fields of its state_dict); each param group
+        takes its rate as the scheduler computes it (``LambdaLR.get_lr``'s product, bit
+        for bit). The position needs no conversion: it is in samples of the epoch's
         order over all ranks (:func:`mpfp16.train.resume.samples_done`), the same for
         any batch, accumulation and number of processes."""
-        opt, sched = trainer.opt, trainer.sched
+        opt, sched = self.opt, self.sched
         for group, fresh in zip(opt.param_groups, fresh_groups):
             group.update({k: v for k, v in fresh.items() if k != "lr"})
-        sched.base_lrs = [g["initial_lr"] for g in fresh_groups]
-        for i, group in enumerate(opt.param_groups):
-            group["lr"] = sched.base_lrs[i] * sched.lr_lambdas[i](sched.last_epoch)
-        sched._last_lr = [g["lr"] for g in opt.param_groups]
+        saved = sched.state_dict()
+        base_lrs = [g["initial_lr"] for g in fresh_groups]
+        lrs = [base * multiplier(saved["last_epoch"]) for base, multiplier in zip(base_lrs, sched.lr_lambdas)]
+        for group, lr in zip(opt.param_groups, lrs):
+            group["lr"] = lr
+        sched.load_state_dict({**saved, "base_lrs": base_lrs, "_last_lr": lrs})

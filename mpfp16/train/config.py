@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import optimizer as optimizer_rules
+from .. import options as optimizer_rules
 from ..errors import UserError, library_words
 from ..parallel import ddp as ddp_rules
 from ..parallel import fsdp as fsdp_rules

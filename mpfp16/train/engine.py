@@ -33,6 +33,7 @@ from .config import TrainConfig
 from .evaluation import evaluate
 from .metrics import MetricsWriter
 from .preemption import StopSignals, Stopped
+from .state import TrainState
 
 __all__ = ["Trainer", "train"]
 
@@ -44,8 +45,16 @@ def _fmt_time(seconds: float) -> str:
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
+def _read_only(name: str) -> property:
+    """The trainer's ``state.<name>``, for code that reads where the run is (a test, a
+    patched step); only the trainer writes its state."""
+    return property(lambda self: getattr(self.state, name), doc=f"``state.{name}`` (read-only)")
+
+
 class Trainer:
-    """Everything one training run holds. ``fit()`` runs it."""
+    """Everything one training run holds. ``fit()`` runs it. Its position and progress
+    are :attr:`state`, which only the trainer's own methods change: the checkpoint code
+    saves the one it is given and returns the one it loads."""
 
     def __init__(self, cfg: TrainConfig, info: mdist.DistInfo, signals: StopSignals | None = None) -> None:
         self.cfg, self.info = cfg, info
@@ -74,31 +83,26 @@ class Trainer:
         self.sched, self.steps_per_epoch = schedule.scheduler, schedule.steps_per_epoch
         self.total_steps, self.epochs_shown = schedule.total_steps, schedule.epochs_shown
         self.max_steps = schedule.max_steps
-        self.step = 0
-        self.epoch = 0
-        self.samples_done = 0  # of the current epoch's sample order, over all ranks (resume.samples_done)
-        self.best_acc1, self.best_epoch = -1.0, None
-        self.elapsed_before = 0.0
         self.replica_checks, self.replica_check_s, self._checked_at = 0, 0.0, None
         self.last_skip = None  # (step, opt.last_overflow) of the last skipped step since the last train record
-        self.checkpoints = RunCheckpoints(cfg, self.model)
-        self.checkpoints.resume(self)
+        self.checkpoints = RunCheckpoints(cfg, info, self.model, self.ddp, self.opt, self.sched,
+                                          run_facts=self.run_facts(), training_images=len(self.data.spec.train))
+        self.state: TrainState = self.checkpoints.resume()  # what it loaded, or a fresh run's
         self.metrics = MetricsWriter(self.metrics_path, self.main, cfg.tensorboard, truncate=cfg.overwrite)
+
+    step = _read_only("step")
+    epoch = _read_only("epoch")
+    best_acc1 = _read_only("best_acc1")
 
     @property
     def batches_done(self) -> int:
-        """Each rank's micro-batches of the current epoch, of this run's ``-b``: the
-        position as checkpoints before ``samples_done`` recorded it."""
-        return self.samples_done // (self.cfg.batch_size * self.info.world_size)
-
-    @batches_done.setter
-    def batches_done(self, value: int) -> None:
-        self.samples_done = value * self.cfg.batch_size * self.info.world_size
+        """Each rank's micro-batches of the current epoch, of this run's ``-b`` (read-only)."""
+        return self.state.batches_done(self.cfg.batch_size, self.info.world_size)
 
     def epoch_rest(self) -> decide.EpochRest:
         """How the rest of the epoch is trained from ``samples_done`` on: full steps, and
         after a resume with another shape a shorter last one (resume.epoch_rest)."""
-        return decide.epoch_rest(self.samples_done, dataset_size=len(self.data.spec.train),
+        return decide.epoch_rest(self.state.samples_done, dataset_size=len(self.data.spec.train),
                                  world_size=self.info.world_size, batch_size=self.cfg.batch_size,
                                  accum_steps=self.cfg.accum_steps)
 
@@ -109,10 +113,10 @@ class Trainer:
         """Whether the run has ended: at --epochs, or at --max-steps before it
         (build.schedule). Counted in epochs, not steps, so that a run resumed with
         another global batch (--allow-changed-config) ends at --epochs too."""
-        if self.max_steps is not None and self.step >= self.max_steps:
+        if self.max_steps is not None and self.state.step >= self.max_steps:
             return True
-        last_epoch_done = self.epoch + 1 == self.cfg.epochs and self.steps_left_in_epoch() == 0
-        return self.epoch >= self.cfg.epochs or last_epoch_done
+        last_epoch_done = self.state.epoch + 1 == self.cfg.epochs and self.steps_left_in_epoch() == 0
+        return self.state.epoch >= self.cfg.epochs or last_epoch_done
 
     def release(self) -> None:
         """Let go of the run directory's lock (the OS does it too when the process ends)."""
@@ -127,27 +131,29 @@ class Trainer:
         """Compare weights, masters and optimizer state across ranks (every
         ``--check-replicas`` steps, before each checkpoint, at the end). BatchNorm
         statistics are rank 0's first, as DDP makes them at the next forward."""
-        if not (self.info.world_size > 1 and self.cfg.check_replicas) or self._checked_at == self.step:
+        if not (self.info.world_size > 1 and self.cfg.check_replicas) or self._checked_at == self.state.step:
             return
         started = time.perf_counter()
         mdist.broadcast_buffers(self.model)
-        mdist.check_replicas(self.model, self.opt, context=f" at step {self.step}")
-        self._checked_at = self.step
+        mdist.check_replicas(self.model, self.opt, context=f" at step {self.state.step}")
+        self._checked_at = self.state.step
         self.replica_checks += 1
         self.replica_check_s += time.perf_counter() - started
 
     def save(self, best: bool = False) -> None:
         """Write DIR/last (and DIR/best) in the run's format: every rank takes part."""
-        self.checkpoints.save(self, best)
+        self.metrics.check()  # a metrics write that failed on rank 0 (a full disk) stops every rank here
+        self.check_replicas()  # never save a state the ranks do not share
+        self.checkpoints.save(self.state, self.elapsed(), best)
 
     def evaluate(self) -> dict:
-        spare_size = build.image_size(self.cfg, self.epoch)
+        spare_size = build.image_size(self.cfg, self.state.epoch)
         return evaluate(self.model, self.data, self.cfg, self.info, self._prepare, spare_size)
 
     # ------------------------------------------------------------------ the loop
 
     def elapsed(self) -> float:
-        return self.elapsed_before + time.perf_counter() - self.started
+        return self.state.elapsed_before + time.perf_counter() - self.started
 
     def fit(self) -> dict:
         cfg = self.cfg
@@ -159,7 +165,7 @@ class Trainer:
             result = self.evaluate()
             logger.info("evaluation: loss %.4f, acc1 %.2f%%, acc5 %.2f%% on %d images", result["val_loss"],
                         result["val_acc1"], result["val_acc5"], result["val_samples"])
-            self.metrics.write({"type": "eval", "step": self.step, "epoch": self.epoch, **result})
+            self.metrics.write({"type": "eval", "step": self.state.step, "epoch": self.state.epoch, **result})
             self.metrics.close()
             return result
         logger.info("training %d steps (%d per epoch) of %d samples; checkpoints in %s, metrics in %s",
@@ -177,14 +183,14 @@ class Trainer:
         if signum is None:
             return
         name = signal.Signals(signum).name
-        if save and self.checkpoints.saved_at != self.step:
+        if save and self.checkpoints.saved_at != self.state.step:
             self.save()
         if self.main:
-            self.metrics.write({"type": "stopped", "reason": name, "step": self.step, "epoch": self.epoch,
-                                "time": self.elapsed()})
+            self.metrics.write({"type": "stopped", "reason": name, "step": self.state.step,
+                                "epoch": self.state.epoch, "time": self.elapsed()})
         self.metrics.close()
         saved = f"saved {self.checkpoints.last_path}; continue with --resume auto" if save else "nothing to save"
-        raise Stopped(signum, f"stopped by {name} at step {self.step}: {saved}", announce=self.main)
+        raise Stopped(signum, f"stopped by {name} at step {self.state.step}: {saved}", announce=self.main)
 
     def _loader(self, epoch: int, rest: decide.EpochRest):
         """The micro-batches of the rest of ``epoch``: ``rest``'s full steps', then those of
@@ -192,7 +198,7 @@ class Trainer:
         cfg, spec = self.cfg, self.data.spec
         if cfg.task == "imagenet" and spec.train.transform is not None:
             spec.train.transform, spec.val.transform = data_mod.imagenet_transforms(build.image_size(cfg, epoch))
-        self.data.train_sampler.set_epoch(epoch, self.samples_done)
+        self.data.train_sampler.set_epoch(epoch, self.state.samples_done)
         sizes = [cfg.batch_size] * (rest.full_steps * cfg.accum_steps) + list(rest.last_step)
         return data_mod.make_loader(spec.train, self.data.train_sampler, cfg.batch_size, cfg.workers,
                                     self.device.type == "cuda", drop_last=True, batch_sizes=sizes)
@@ -205,13 +211,13 @@ class Trainer:
 
     def train_epoch(self) -> None:
         cfg = self.cfg
-        epoch = self.epoch
+        epoch = self.state.epoch
         rest = self.epoch_rest()
-        note = decide.describe_rest(rest, epoch=epoch, samples_done=self.samples_done,
+        note = decide.describe_rest(rest, epoch=epoch, samples_done=self.state.samples_done,
                                     dataset_size=len(self.data.spec.train), world_size=self.info.world_size)
         if note and self.main:  # a resume with another shape: once, on rank 0
             (logger.warning if note[0] == "warning" else logger.info)("%s", note[1])
-        steps_left = rest.steps if self.max_steps is None else min(rest.steps, self.max_steps - self.step)
+        steps_left = rest.steps if self.max_steps is None else min(rest.steps, self.max_steps - self.state.step)
         show = self.main and cfg.progress and sys.stderr.isatty()
         bar = tqdm(total=self.steps_per_epoch, initial=max(0, self.steps_per_epoch - rest.steps), disable=not show,
                    desc=f"epoch {epoch + 1}/{self.epochs_shown}", dynamic_ncols=True, leave=False)
@@ -225,8 +231,8 @@ class Trainer:
                 shorter = i == rest.full_steps  # the shorter last step of a resume with another shape
                 loss = self.train_step(batches, rest.last_step) if shorter else self.train_step(batches)
                 step_samples = sum(rest.last_step) * self.info.world_size if shorter else self.samples_per_step
-                self.step += 1
-                self.samples_done += step_samples
+                self.state.step += 1
+                self.state.samples_done += step_samples
                 comm = mdist.comm_stats(self.ddp)
                 comm = comm.pop_step() if comm is not None else {"allreduce_calls": 0, "allreduce_bytes": 0}
                 window_loss += loss
@@ -237,7 +243,7 @@ class Trainer:
                 epoch_samples += step_samples
                 bar.update(1)
                 last = self._over()
-                if self.step % cfg.print_freq == 0 or last:
+                if self.state.step % cfg.print_freq == 0 or last:
                     mean_loss = self._mean_across_ranks(window_loss / window_steps)
                     rate = window_samples / (time.perf_counter() - window_start)
                     self._log_step(mean_loss, rate, comm)
@@ -245,9 +251,9 @@ class Trainer:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", scale=f"{self.opt.loss_scale:g}", img_s=f"{rate:.0f}")
                     window_start, window_steps, window_samples = time.perf_counter(), 0, 0
                     window_loss = torch.zeros((), device=self.device)
-                if cfg.save_every and self.step % cfg.save_every == 0 and not last:
+                if cfg.save_every and self.state.step % cfg.save_every == 0 and not last:
                     self.save()
-                elif cfg.check_replicas and self.step % cfg.check_replicas == 0:
+                elif cfg.check_replicas and self.state.step % cfg.check_replicas == 0:
                     self.check_replicas()
                 if not last:
                     self._stop_if_asked()
@@ -255,7 +261,7 @@ class Trainer:
             bar.close()
         epoch_loss = self._mean_across_ranks(epoch_loss / max(1, epoch_steps))
         if self.steps_left_in_epoch() == 0:
-            self.epoch, self.samples_done = epoch + 1, 0
+            self.state.epoch, self.state.samples_done = epoch + 1, 0
         self._end_epoch(epoch, epoch_loss, time.perf_counter() - epoch_start, epoch_samples)
 
     def train_step(self, batches, shorter: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -283,7 +289,7 @@ class Trainer:
             total += loss.detach()
         if not self.opt.step():
             self._restore_buffers()
-            self.last_skip = (self.step + 1, self.opt.last_overflow)  # the step this one is counted as
+            self.last_skip = (self.state.step + 1, self.opt.last_overflow)  # the step this one is counted as
         self.sched.step()
         return total / cfg.accum_steps if shorter is None else total
 
@@ -315,7 +321,7 @@ class Trainer:
         if not self.main:
             return
         self.metrics.write({
-            "type": "train", "step": self.step, "epoch": self.epoch, "loss": loss,
+            "type": "train", "step": self.state.step, "epoch": self.state.epoch, "loss": loss,
             "loss_scale": self.opt.loss_scale, "skipped_steps": self.opt.skipped_steps,
             # the last skipped step since the previous record, and the parameters whose gradient held inf/NaN
             "overflow_step": skip[0] if skip else None, "overflow": skip[1] if skip else [],
@@ -328,11 +334,11 @@ class Trainer:
 
     def _end_epoch(self, epoch: int, train_loss: float, seconds: float, samples: int) -> None:
         result = self.evaluate()
-        is_best = result["val_acc1"] > self.best_acc1
+        is_best = result["val_acc1"] > self.state.best_acc1
         if is_best:
-            self.best_acc1, self.best_epoch = result["val_acc1"], epoch + 1
+            self.state.best_acc1, self.state.best_epoch = result["val_acc1"], epoch + 1
         if self.main:
-            self.metrics.write({"type": "eval", "step": self.step, "epoch": epoch + 1, **result})
+            self.metrics.write({"type": "eval", "step": self.state.step, "epoch": epoch + 1, **result})
         logger.info("epoch %d/%d: train loss %.4f | val loss %.4f, acc1 %.2f%%, acc5 %.2f%% | %.0f img/s, "
                     "loss scale %g, %d skipped, %s", epoch + 1, self.epochs_shown, train_loss, result["val_loss"],
                     result["val_acc1"], result["val_acc5"], samples / max(seconds, 1e-9), self.opt.loss_scale,
@@ -342,17 +348,17 @@ class Trainer:
     def finish(self) -> dict:
         self.check_replicas()  # nothing, when the last checkpoint already checked this step
         wall = self.elapsed()
-        last, best = self.checkpoints.last_path, self.checkpoints.best_checkpoint()
-        summary = {"type": "final", "step": self.step, "epoch": self.epoch, "best_acc1": self.best_acc1,
-                   "best_epoch": self.best_epoch, "skipped_steps": self.opt.skipped_steps,
+        last, best, state = self.checkpoints.last_path, self.checkpoints.best_checkpoint(), self.state
+        summary = {"type": "final", "step": state.step, "epoch": state.epoch, "best_acc1": state.best_acc1,
+                   "best_epoch": state.best_epoch, "skipped_steps": self.opt.skipped_steps,
                    "loss_scale": self.opt.loss_scale, "wall_s": wall, "checkpoint": last, "best_checkpoint": best,
                    "metrics": self.metrics_path, "replica_checks": self.replica_checks,
                    "replica_check_s": self.replica_check_s}
         if self.main:
             self.metrics.write(summary)
         self.metrics.close()
-        logger.info("done: best val acc1 %.2f%% (epoch %s) in %s, %d steps, %d skipped", self.best_acc1,
-                    self.best_epoch, _fmt_time(wall), self.step, self.opt.skipped_steps)
+        logger.info("done: best val acc1 %.2f%% (epoch %s) in %s, %d steps, %d skipped", state.best_acc1,
+                    state.best_epoch, _fmt_time(wall), state.step, self.opt.skipped_steps)
         if self.replica_checks:
             logger.info("replicas: identical at %d checks, which took %.2fs (%.2f%% of the run)", self.replica_checks,
                         self.replica_check_s, 100 * self.replica_check_s / max(wall, 1e-9))

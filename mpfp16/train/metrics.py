@@ -14,7 +14,7 @@ import math
 import os
 
 from ..errors import UserError
-from ..parallel.base import failures, get_world_size, raise_first
+from ..parallel.ranks import failures, get_world_size, raise_first
 from ..serialization import write_failure
 
 __all__ = ["MetricsWriter"]

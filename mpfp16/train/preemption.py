@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 
-from ..parallel.base import max_over_ranks
+from ..parallel.ranks import max_over_ranks
 
 __all__ = ["StopSignals", "Stopped", "SIGNALS"]
 

@@ -25,7 +25,7 @@ import logging
 
 from .. import checkpoint
 from ..errors import UserError, one_line
-from ..parallel.base import broadcast_object, is_main_process
+from ..parallel.ranks import broadcast_object, is_main_process
 from . import resume as decide
 from .config import TrainConfig
 

@@ -32,8 +32,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ...optimizer import FP16Optimizer, describe_overflow
-from ...parallel.base import any_rank
+from ...optimizer import FP16Optimizer
+from ...overflow import describe_overflow, with_culprits
+from ...parallel.ranks import any_rank
 from ...scaler import LossScaleStuckError
 from .loss_scaler import AmpLossScaler
 
@@ -131,11 +132,11 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         the loss scale now, as apex does; sets :attr:`overflow`."""
         self.overflow = self._found_inf()
         if self.overflow:  # name the culprits while the gradients are there (every rank is here: agreed)
-            self._opt._record_overflow(self._opt._loss_finite, before_unscale=True)
+            self._opt.report_overflow(before_unscale=True)
         try:
             self.loss_scaler.update_scale(self.overflow)
         except LossScaleStuckError as exc:
-            raise self._opt._naming_culprits(exc) from None
+            raise with_culprits(exc, self._opt.last_overflow) from None
         if self.overflow and not self.loss_scaler.dynamic and not FP16_Optimizer._warned_static_overflow:
             FP16_Optimizer._warned_static_overflow = True
             logger.warning("inf/NaN gradients with a static loss scale of %g: skipping the step (apex would have "
@@ -250,8 +251,15 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         for mine, saved in zip(self.fp32_from_fp16_groups, saved_masters):
             for m, value in zip(mine, saved):
                 masters[position[id(m)]] = value
-        native = self._opt.state_dict()
-        native.update(optimizer=state_dict["optimizer_state_dict"], master_params=masters)
+        native = self._opt.state_dict()  # keyed by parameter (mpfp16/state_format.py); apex's by index
+        keys = list(native["params"])
+        inner = state_dict["optimizer_state_dict"]
+        native["optimizer"] = {"state": {keys[int(i)]: s for i, s in inner["state"].items()},
+                               "param_groups": [{**g, "params": [keys[int(i)] for i in g["params"]]}
+                                                for g in inner["param_groups"]]}
+        for key, master in zip(keys, masters):
+            if master is not None:
+                native["params"][key]["master"] = master
         self._opt.load_state_dict(native)
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.overflow = bool(state_dict.get("overflow", False))

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ...flat import flatten_parameters
+from ...flat_buffers import flatten_parameters
 from .loss_scaler import to_python_float
 
 __all__ = ["tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network", "FP16Model",

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ... import distributed as mdist
-from ...flat import flatten_parameters
+from ...flat_buffers import flatten_parameters
 
 __all__ = ["DistributedDataParallel"]
 

@@ -4,20 +4,23 @@ A store is where the parameters an :class:`mpfp16.FP16Optimizer` steps live, wit
 their gradients and fp32 masters. The optimizer runs the step's phases in its fixed
 order and asks the store for each one that depends on the layout:
 
+Each phase is handed the step's state (:class:`mpfp16.step_state.StepState`), where a
+store keeps what it learns in one phase for a later one.
+
 ``check_ready()``
     phase 1, the store's part: raise if a parameter left its storage; re-read the
     master of a weight written from outside; reattach replaced gradients.
-``unscale(scale, materialize, with_norm) -> found_inf``
+``unscale(state, scale, materialize, with_norm) -> found_inf``
     phase 2: fp32 gradients = 16-bit gradients / scale, and a float tensor whose
     first element is 1.0 when a gradient holds inf or NaN. ``materialize`` asks for
     the unscaled fp32 gradients in the masters' ``.grad`` (``unscale_()`` does).
-``grad_norm() -> Tensor``
+``grad_norm(state) -> Tensor``
     phase 4: the global 2-norm of the unscaled gradients of the parameters stepped
     this step, reduced over ``group``.
-``update(clip_coef)`` and ``copy_back()``
+``update(state, scale, clip_coef, rng)`` and ``copy_back()``
     phases 5 and 6: the inner optimizer's arithmetic on the fp32 values, then the
     new 16-bit weights.
-``nonfinite_grads(limit, before_unscale)``
+``nonfinite_grads(state, limit, before_unscale)``
     after a step found an overflow, and only then: which parameters' gradients, as
     the step read them, hold inf or NaN (:func:`find_nonfinite`, the one scan every
     store uses), for ``FP16Optimizer.last_overflow``.
@@ -38,7 +41,10 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["ParamStore", "inv_scale_tensor", "unscale_and_check", "find_nonfinite", "total_norm", "storage_bytes"]
+from ..parallel.fsdp_shim import is_sharded
+
+__all__ = ["ParamStore", "inv_scale_tensor", "unscale_and_check", "find_nonfinite", "total_norm", "storage_bytes",
+           "whole"]
 
 
 def inv_scale_tensor(scale: float, device: torch.device) -> torch.Tensor:
@@ -101,6 +107,11 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(grads, 2.0)
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a DTensor gathered (a collective over its mesh), a tensor as it is."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
     seen, total = set(), 0
@@ -113,7 +124,9 @@ def storage_bytes(tensors) -> int:
 
 
 class ParamStore:
-    """The interface (module docstring). Subclasses set the attributes below.
+    """The interface (module docstring): every member that the optimizer, the
+    gradient exchange and the checkpoints use is declared here, so that a store is
+    whole without probing. Subclasses set the attributes below.
 
     Attributes:
         kind: ``"flat"``, ``"per-tensor"`` or ``"sharded"``.
@@ -127,6 +140,9 @@ class ParamStore:
         compute_dtype: the 16-bit dtype the model computes in: float16 where any
             parameter is fp16, else bfloat16 where any is, else float32 (a sharded
             model's: FSDP2's ``param_dtype``).
+        has_half: whether any parameter is 16-bit (so masters mean anything).
+        accumulates: the store sums the micro-batches' 16-bit gradients in fp32
+            (``accumulate_dtype=torch.float32``).
         device: where the optimizer's small tensors (its rounding generator) live.
     """
 
@@ -134,11 +150,13 @@ class ParamStore:
     group = None
     shards_gradients = False  # each rank holds a part of every gradient (their counts add up across ranks)
     hooks_gradients = True  # autograd's hooks on ``params`` see their gradients arrive
+    accumulates = False
 
     def __init__(self) -> None:
         self.params: list[torch.Tensor] = []
         self.stepped: list[torch.Tensor] = []
         self.has_fp16 = False
+        self.has_half = False
         self.compute_dtype = torch.float32
         self.device = torch.device("cpu")
 
@@ -147,7 +165,7 @@ class ParamStore:
     @classmethod
     def refusal(cls, *, process_group, model) -> str | None:
         """Why an optimizer cannot be built over this kind of store with this model and
-        group, in one line, or None (mpfp16.optimizer.check_options says what the
+        group, in one line, or None (mpfp16.options.check_options says what the
         options alone refuse)."""
         return None
 
@@ -159,15 +177,15 @@ class ParamStore:
     def fused(self) -> bool:
         return False
 
+    def use_fused(self, requested: bool) -> None:
+        """Step with mpfp16's fused kernels (only where :meth:`fused_unsupported` is None)."""
+        raise NotImplementedError
+
     def explain(self) -> str:
         """One line for the log: which store, and why."""
         return self.kind
 
     # ---------------------------------------------------------------- the phases
-
-    def trainable(self) -> list[bool]:
-        """Per parameter, whether it is stepped now (it requires grad)."""
-        return [p.requires_grad for p in self.params]
 
     def check_ready(self) -> None:
         raise NotImplementedError
@@ -181,9 +199,10 @@ class ParamStore:
         return ("step() was called but no backward pass reached the parameters since the last step(): call "
                 "opt.backward(loss) first")
 
-    def prepare(self, fp32_grads: bool, with_norm: bool = False) -> None:
-        """Make ready what the step needs before it writes anything (compile); with
-        ``with_norm``, what a step that computes the gradient norm needs too."""
+    def prepare(self, fp32_grads: bool, with_norm: bool = False, group=None, agree: bool = True) -> None:
+        """Make ready what the step needs before it writes anything (compile, agreed
+        across the ranks of ``group`` unless ``agree`` is False); with ``with_norm``,
+        what a step that computes the gradient norm needs too."""
 
     def use_unfused(self) -> None:
         """After a failed compile: take the unfused step from now on."""
@@ -191,19 +210,35 @@ class ParamStore:
     def zero_grad(self, set_to_none: bool) -> None:
         raise NotImplementedError
 
-    def unscale(self, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
+    # fp32 accumulation (``accumulates``): the optimizer opens the sums at the first
+    # backward of a step and adds each backward's gradients in; the gradient exchange
+    # finds them by parameter (mpfp16.parallel.accumulation), registered by the optimizer.
+
+    def sum_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(parameter, its fp32 sum)`` for every parameter whose gradients are summed."""
+        return []
+
+    def open_sums(self) -> None:
+        """The first backward of a step: the fp32 sums start at zero."""
+
+    def accumulate(self) -> None:
+        """After a backward: the fresh 16-bit gradients into the fp32 sums, and zeroed."""
+
+    def unscale(self, state, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
+        """Phase 2: fp32 gradients = gradients / ``scale`` and [found_inf]; what the
+        store learns on the way goes into ``state`` (a :class:`mpfp16.step_state.StepState`)."""
         raise NotImplementedError
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(self, state) -> torch.Tensor:
         raise NotImplementedError
 
-    def update(self, clip_coef: torch.Tensor | None, rng: torch.Generator) -> None:
+    def update(self, state, scale: float, clip_coef: torch.Tensor | None, rng: torch.Generator) -> None:
         raise NotImplementedError
 
     def copy_back(self) -> None:
         raise NotImplementedError
 
-    def nonfinite_grads(self, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
+    def nonfinite_grads(self, state, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
         """``(index in params, NaN count, inf count)`` of the first ``limit``
         parameters (in ``params`` order) whose gradient holds inf or NaN, as the step's
         :meth:`unscale` read it (:func:`find_nonfinite`); with ``before_unscale``, as
@@ -226,13 +261,29 @@ class ParamStore:
     def memory(self) -> dict[str, float]:
         raise NotImplementedError
 
-    def state(self) -> dict:
-        """The masters' part of the optimizer's state_dict."""
+    def param_state(self) -> list[dict]:
+        """Per parameter, in ``params`` order, its part of the state_dict
+        (mpfp16/state_format.py): ``{"master": its fp32 value or None}``, and
+        ``"compensation"`` where Kahan rounding keeps one."""
         raise NotImplementedError
 
-    def check_state(self, state_dict: dict) -> None:
-        """Raise ValueError (one line) where the masters' part of ``state_dict`` does
-        not fit this store."""
+    def saved_dtypes(self) -> list[str | None]:
+        """Per parameter, the dtype the model holds it in, as the state_dict records
+        it (``"float16"``); None where the model holds another than it computes in (a
+        sharded model's fp32 shards)."""
+        return [str(p.dtype).replace("torch.", "") for p in self.params]
 
-    def load_state(self, state_dict: dict) -> None:
+    def check_state(self, entries: list[dict], legacy: dict) -> None:
+        """Raise ValueError (one line) where the saved per-parameter ``entries`` (in
+        ``params`` order) do not fit this store; ``legacy``: what a state of an earlier
+        form kept per store (a Kahan compensation buffer per group)."""
+
+    def like_stepped(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        """A saved tensor of parameter ``index``'s shape (the inner optimizer's state),
+        plain or a DTensor, as this store steps it."""
+        raise NotImplementedError
+
+    def load_state(self, entries: list[dict], legacy: dict) -> None:
+        """Take the saved masters, whichever store saved them, and make the model's
+        weights agree with them."""
         raise NotImplementedError

@@ -1,0 +1,208 @@
+"""FP16Optimizer's options: their types, the rules between them, and the scaler that
+``loss_scale`` means. One place, which the constructor calls and so do front ends (the
+training scripts' config, the Lightning plugins) that want to refuse a combination
+before anything is built, in their own words."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .errors import library_words
+from .rounding import ROUNDINGS
+from .scaler import DynamicLossScaler, LossScaler
+
+__all__ = ["check_options", "check_types", "held_params", "make_scaler", "master_mode", "is_number", "MASTER_WEIGHTS",
+           "ACCUMULATE_DTYPES"]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+ACCUMULATE_DTYPES = (None, torch.float32)  # accumulate_dtype's choices; None: the model's 16-bit dtype, as apex
+# master_weights' choices: fp32 masters; none (the 16-bit weights stepped directly); or, for bf16, the fp32 masters
+# held exactly as the bf16 weights and an int16 remainder each (docs/REMAINDER.md)
+MASTER_WEIGHTS = (True, False, "remainder")
+
+
+def master_mode(master_weights) -> str:
+    """``FP16Optimizer.master_mode`` for a ``master_weights`` option."""
+    if isinstance(master_weights, str):
+        return master_weights
+    return "fp32" if master_weights else "none"
+
+
+def _check_remainder(*, rounding: str, sharded: bool, dtypes, say) -> None:
+    """The rules of ``master_weights="remainder"``: bf16 parameters only, unsharded,
+    rounded to nearest (``dtypes``: the parameters' dtypes, where known)."""
+    asked = say("master_weights", "remainder")
+    if sharded:
+        raise ValueError(f"{asked} is not possible for a sharded model: its fp32 shards are FSDP2's own parameters, "
+                         "from which it makes the bf16 weights at each forward and frees them after, so there is no "
+                         f"bf16 weight kept to hold the rest of a master; drop {asked}")
+    if rounding != "nearest":
+        raise ValueError(f"{say('rounding', rounding)} is for 16-bit weights stepped without masters; {asked} keeps "
+                         "exact fp32 masters, whose bf16 weights are their rounding to nearest")
+    if dtypes is None:
+        return
+    if torch.float16 in dtypes:
+        raise ValueError(f"{asked} needs bf16 parameters, and these include float16: a bf16 value is the upper half "
+                         "of an fp32 one (the same sign and 8-bit exponent), so the lower 16 bits make the master "
+                         "exact; fp16 has a 5-bit exponent and 10 mantissa bits, so it is not (every fp32 value above "
+                         "65520 rounds to the one fp16 inf, the tiny ones to 0: far more than 16 bits tell apart); "
+                         f"keep fp32 masters ({say('master_weights', True)})")
+    if torch.bfloat16 not in dtypes:
+        raise ValueError(f"{asked} needs bf16 parameters and there are none: fp32 parameters are stepped as they "
+                         f"are, with no masters to hold; drop {asked}")
+
+
+def is_number(value) -> bool:
+    """A real number, not a bool (``True`` is an int to Python, and was taken as 1.0)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_types(*, say, **options) -> None:
+    """Each option of :func:`check_options` of its type, or one line naming it: a string
+    ``max_grad_norm="1.0"`` failed later inside a comparison, ``True`` was taken as 1.0,
+    and ``master_weights=None`` as no masters."""
+    rules = {
+        "master_weights": (lambda v: isinstance(v, (bool, str)), "True, False or 'remainder'"),
+        "rounding": (lambda v: isinstance(v, str), f"one of {', '.join(map(repr, ROUNDINGS))}"),
+        "max_grad_norm": (lambda v: v is None or is_number(v), "a number or None"),
+        "fused": (lambda v: v is None or isinstance(v, bool), "True, False or None"),
+        "sharded": (lambda v: isinstance(v, bool), "True or False"),
+        "reduce_overflow": (lambda v: isinstance(v, bool), "True or False"),
+    }
+    for name, value in options.items():
+        right, what = rules[name]
+        if not right(value):
+            raise TypeError(f"{say(name, value)} must be {what}, not {type(value).__name__}")
+
+
+def check_options(*, master_weights: bool | str = True, rounding: str = "nearest", max_grad_norm: float | None = None,
+                  fused: bool | None = None, sharded: bool = False, reduce_overflow: bool = True,
+                  accumulate_dtype: torch.dtype | None = None, dtypes=None, say=library_words) -> None:
+    """The rules between FP16Optimizer's options, in one place: the constructor calls
+    it, and so does a front end (the training scripts' config) that wants to refuse a
+    combination before building anything.
+
+    Args:
+        sharded: the model is sharded (:func:`mpfp16.distributed.shard`).
+        dtypes: the parameters' dtypes, where known (the constructor's; a front end
+            passes its compute dtype): ``master_weights="remainder"`` needs bf16
+            parameters and no fp16 ones.
+        say: ``say(name, value)`` words an option as the caller spells it (default
+            ``name=value``; the scripts say ``--no-master-weights``).
+
+    Raises:
+        ValueError: one line naming the options in the caller's words.
+    """
+    check_types(master_weights=master_weights, rounding=rounding, max_grad_norm=max_grad_norm, fused=fused,
+                 sharded=sharded, reduce_overflow=reduce_overflow, say=say)
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"{say('max_grad_norm', max_grad_norm)} must be positive or None")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+    if isinstance(master_weights, str) and master_weights not in MASTER_WEIGHTS:
+        raise ValueError(f"master_weights must be True, False or 'remainder', got {master_weights!r}")
+    if master_weights == "remainder":
+        _check_remainder(rounding=rounding, sharded=sharded, dtypes=dtypes, say=say)
+    if rounding != "nearest" and master_weights:
+        raise ValueError(f"{say('rounding', rounding)} needs {say('master_weights', False)}: it rounds 16-bit "
+                         "weights stepped directly")
+    if accumulate_dtype not in ACCUMULATE_DTYPES:
+        raise ValueError(f"{say('accumulate_dtype', accumulate_dtype)} must be None (the model's 16-bit dtype) or "
+                         "torch.float32")
+    if not sharded:
+        return
+    where = "a sharded model"
+    if accumulate_dtype is not None:
+        raise ValueError(f"{say('accumulate_dtype', accumulate_dtype)} is not possible for {where}: FSDP2 sums the "
+                         "micro-batches' unsharded gradients itself, in its reduce_dtype: for an fp32 sum, shard with "
+                         f"{say('reduce_dtype', torch.float32)} instead")
+    if not master_weights:
+        raise ValueError(f"{say('master_weights', False)} has no meaning for {where}: its sharded fp32 parameters "
+                         "are the master weights, from which FSDP2 makes the 16-bit weights at each forward; drop "
+                         f"{say('master_weights', False)}, or train without masters unsharded")
+    if fused:
+        raise ValueError(f"{say('fused', True)} is not possible for {where}: mpfp16's fused step works on flat "
+                         "buffers, and the inner optimizer's own step runs on the shards (build it with fused=True "
+                         f"for torch's fused kernel); drop {say('fused', True)}")
+    if not reduce_overflow:
+        raise ValueError(f"{say('reduce_overflow', False)} is not possible for {where}: each rank sees only its "
+                         "own shards' inf/NaN, so the ranks would make different skip decisions")
+
+
+def make_scaler(loss_scale, compute_dtype: torch.dtype) -> LossScaler:
+    """The scaler FP16Optimizer's ``loss_scale`` option means for a model that computes
+    in ``compute_dtype``: ``"dynamic"`` is a :class:`DynamicLossScaler` for fp16 and no
+    scaling otherwise (bf16 and fp32 have fp32's exponent range); a number is a static
+    scale; None is no scaling; a :class:`LossScaler` is used as it is.
+
+    A scale other than 1 over a model that computes in bf16 is refused, as the
+    training scripts refuse ``--loss-scale`` with ``--precision bf16``: bf16 gradients
+    cannot underflow where fp32 ones would not, so the scale only multiplies and
+    divides. An fp32 model may take one: its user may compute in fp16 under
+    ``torch.autocast``, whose fp16 activation gradients can underflow.
+
+    Raises:
+        ValueError, TypeError: one line naming the option.
+    """
+    if isinstance(loss_scale, LossScaler):
+        scaler = loss_scale
+    elif loss_scale is None:
+        scaler = LossScaler(1.0)
+    elif isinstance(loss_scale, str):
+        if loss_scale != "dynamic":
+            raise ValueError(f"loss_scale must be 'dynamic', a number, None or a LossScaler; got {loss_scale!r}")
+        scaler = DynamicLossScaler() if compute_dtype == torch.float16 else LossScaler(1.0)
+    elif is_number(loss_scale):
+        scaler = LossScaler(float(loss_scale))
+    else:
+        raise TypeError(f"loss_scale must be 'dynamic', a number, None or a LossScaler; got {type(loss_scale).__name__}")
+    if compute_dtype == torch.bfloat16 and (scaler.dynamic or scaler.scale != 1.0):
+        shown = repr(loss_scale) if not isinstance(loss_scale, LossScaler) else repr(scaler)
+        raise ValueError(f"loss_scale={shown} over a model that computes in bfloat16: bf16 has fp32's exponent "
+                         "range, so its gradients need no loss scaling; pass loss_scale=None (or 'dynamic', which "
+                         "means no scaling for bf16)")
+    return scaler
+
+
+def held_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, *, track_grad_norm: bool,
+                rounding_seed: int) -> list[torch.Tensor]:
+    """Every parameter the inner ``optimizer`` holds, in its order, checked, with the
+    constructor's arguments that :func:`check_options` does not take.
+
+    Raises:
+        TypeError, ValueError: one line.
+    """
+    from .stores import is_master
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"FP16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model= must be the torch.nn.Module the parameters belong to, not {type(model).__name__}")
+    if not isinstance(track_grad_norm, bool):
+        raise TypeError(f"track_grad_norm={track_grad_norm!r} must be True or False, not {type(track_grad_norm).__name__}")
+    if not isinstance(rounding_seed, int) or isinstance(rounding_seed, bool):
+        raise TypeError(f"rounding_seed={rounding_seed!r} must be an int, not {type(rounding_seed).__name__}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if getattr(optimizer, "state", None) and any(optimizer.state.values()):
+        raise ValueError("the optimizer already has state: wrap it before its first step, and load checkpoints "
+                         "through FP16Optimizer.load_state_dict")
+    if model is not None:
+        owned = {id(p) for p in model.parameters()}
+        foreign = [p for p in params if id(p) not in owned]
+        if foreign:
+            raise ValueError(f"{len(foreign)} of the optimizer's parameters are not parameters of the model (the first "
+                             f"has shape {list(foreign[0].shape)}): build the optimizer over model.parameters()")
+    for i, p in enumerate(params):
+        if is_master(p):
+            raise ValueError("the optimizer holds the masters of another FP16Optimizer")
+        if p.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"parameter {i} (shape {list(p.shape)}) is {p.dtype}; FP16Optimizer handles float16, "
+                            "bfloat16 and float32 parameters")
+        if not p.is_leaf:
+            raise ValueError(f"parameter {i} (shape {list(p.shape)}) is not a leaf tensor")
+    if not params:
+        raise ValueError("the optimizer holds no parameter")
+    return params
