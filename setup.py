@@ -1,5 +1,9 @@
 from setuptools import find_packages, setup
 
+LIGHTNING = ["lightning>=2.4"]
+TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
+TORCHAO = ["torchao==0.18.0"]
+
 setup(
     name="mpfp16",
     version="0.1.0",
@@ -12,9 +16,12 @@ setup(
     python_requires=">=3.11",  # the fused kernels name their code objects with co_qualname
     # torch is not pinned: install the build you want first (README); pip then keeps it.
     install_requires=["torch>=2.6", "torchvision>=0.21", "numpy", "tqdm"],
-    # lightning: mpfp16.integrations.lightning (the Trainer and Fabric plugins); dev: the test suite, which tests it.
-    extras_require={"lightning": ["lightning>=2.4"],
+    # lightning: mpfp16.integrations.lightning (the Trainer and Fabric plugins); transformers:
+    # mpfp16.integrations.transformers (MPFP16Trainer); torchao: its low-bit optimizers as the
+    # inner optimizer. The versions the suite tests are pinned. dev: the test suite, which
+    # tests all three.
+    extras_require={"lightning": LIGHTNING, "transformers": TRANSFORMERS, "torchao": TORCHAO,
                     "dev": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis", "matplotlib",
-                            "import-linter", "lightning>=2.4"]},
+                            "import-linter"] + LIGHTNING + TRANSFORMERS + TORCHAO},
     license="BSD-3-Clause",
 )

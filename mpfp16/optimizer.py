@@ -29,6 +29,14 @@ then :meth:`~FP16Optimizer.skip_step` (the scale backs off, nothing changes), or
     6. copy back: the new 16-bit weights;
     7. update the scale.
 
+The step in the order users write it::
+
+    opt.zero_grad()
+    opt.backward(loss)                  # (loss.float() * loss_scale).backward()
+    opt.unscale_()                      # optional: unscaled fp32 grads in opt.master_params()
+    torch.nn.utils.clip_grad_norm_(opt.master_params(), 1.0)
+    opt.step()                          # False when skipped (inf/NaN gradients)
+
 The flat store runs phases 2, 5 and 6 unfused (the inner optimizer's own ``step()``)
 or, for SGD, Adam and AdamW, fused (one kernel per flat segment that does 5 and 6 in
 one pass, and reads the 16-bit gradients directly in 2).
@@ -41,13 +49,13 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .options import check_options, held_params, make_scaler, master_mode
+from .options import check_options, held_params, make_scaler, master_mode, state_dtypes_of
 from .overflow import OVERFLOW_REPORTED, describe_overflow, gather_report, with_culprits
 from .parallel import accumulation
 from .parallel.ranks import any_rank, get_world_size, is_main_process
 from .scaler import LossScaler, LossScaleStuckError
 from .state_format import (STATE_FORMAT, check_state_dict, dtype_name, keyed_by_index, keyed_by_parameter,
-                           upgrade_state_dict)
+                           state_dtypes_changed, upgrade_state_dict)
 from .step_state import Phase, StepGuard, check_groups, group_params
 from .stores import ParamStore, build_store, store_type
 
@@ -56,15 +64,8 @@ __all__ = ["FP16Optimizer"]
 logger = logging.getLogger("mpfp16")
 
 class FP16Optimizer(torch.optim.Optimizer):
-    """Mixed-precision wrapper around a ``torch.optim`` optimizer.
-
-    The step in the order users write it::
-
-        opt.zero_grad()
-        opt.backward(loss)                  # (loss.float() * loss_scale).backward()
-        opt.unscale_()                      # optional: unscaled fp32 grads in opt.master_params()
-        torch.nn.utils.clip_grad_norm_(opt.master_params(), 1.0)
-        opt.step()                          # False when skipped (inf/NaN gradients)
+    """Mixed-precision wrapper around a ``torch.optim`` optimizer (the step in the
+    order users write it: the module docstring).
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` built over the model's parameters
@@ -112,6 +113,11 @@ class FP16Optimizer(torch.optim.Optimizer):
             exchange carries the sum; a step whose sum no exchange carried while this
             rank steps with others (a stock DDP) raises, and so do gradients computed
             outside :meth:`backward` (docs/ACCUMULATION.md). Refused for a sharded model.
+        state_dtype, state_dtypes, state_rounding: keep the inner optimizer's states
+            (SGD, Adam, AdamW) in bf16 between steps, all (``state_dtype``) or by name
+            (``state_dtypes={"exp_avg": torch.bfloat16}``); each step computes in fp32
+            and rounds the new states once, ``"nearest"`` or ``"stochastic"``
+            (``rounding_seed``'s generator). fp16 is refused (docs/MEMORY.md).
 
     Every parameter the inner optimizer holds belongs to the store, frozen or not, and
     is stepped in a step where it requires grad (a layer unfrozen later is stepped
@@ -134,6 +140,9 @@ class FP16Optimizer(torch.optim.Optimizer):
         rounding: str = "nearest",
         rounding_seed: int = 0,
         accumulate_dtype: torch.dtype | None = None,
+        state_dtype: torch.dtype | None = None,
+        state_dtypes: dict[str, torch.dtype] | None = None,
+        state_rounding: str = "nearest",
     ) -> None:
         if isinstance(optimizer, FP16Optimizer):
             raise TypeError("the optimizer is already an FP16Optimizer; wrap the inner optimizer once")
@@ -146,6 +155,9 @@ class FP16Optimizer(torch.optim.Optimizer):
         refusal = kind.refusal(process_group=process_group, model=model)
         if refusal:
             raise ValueError(refusal)
+        self.state_dtypes = state_dtypes_of(type(optimizer).__name__, state_dtype, state_dtypes, state_rounding,
+                                            sharded=kind.kind == "sharded")  # the states kept in 16 bits, by name
+        self.state_rounding = state_rounding
         self.rounding = rounding
         self.master_weights = bool(master_weights)  # "remainder" keeps masters too (held otherwise): True
         self.master_mode = master_mode(master_weights)
@@ -159,7 +171,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         self._last_overflow: list[dict] = []
         self.store: ParamStore = build_store(
             optimizer, params, model=model, master_weights="remainder" if self.master_mode == "remainder" else
-            self.master_weights, rounding=rounding, accumulate=accumulate_dtype is not None, fused=fused)
+            self.master_weights, rounding=rounding, accumulate=accumulate_dtype is not None, fused=fused,
+            state_dtypes=self.state_dtypes, state_rounding=state_rounding)
         # The ranks that agree on a skip: those the store reduces its norm over, if it
         # reduces one (a sharded model's mesh), else the caller's group.
         self.process_group = self.store.group if self.store.group is not None else process_group
@@ -204,17 +217,14 @@ class FP16Optimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ Optimizer surface
 
     def model_params(self) -> list[torch.Tensor]:
-        """The model's parameters the inner optimizer holds, in its order (that of
-        :meth:`master_params` and of the state_dict's indices)."""
+        """The model's parameters the inner optimizer holds, in its order (:meth:`master_params`')."""
         return list(self.store.params)
 
     def master_params(self) -> list[torch.Tensor]:
-        """The fp32 tensors the inner optimizer steps, in its parameter order: the
-        masters of the 16-bit parameters and the fp32 parameters themselves (the
-        shards of a sharded model). After :meth:`unscale_` their ``.grad`` holds the
-        unscaled fp32 gradients. Without master weights, and with remainders
-        (``master_weights="remainder"``), the masters of 16-bit parameters hold values
-        only inside ``step()``; their gradients are there after ``unscale_()``."""
+        """The fp32 tensors the inner optimizer steps, in its order: the masters of the
+        16-bit parameters, the fp32 parameters themselves (a sharded model's shards);
+        after :meth:`unscale_` their ``.grad`` holds the unscaled fp32 gradients.
+        Without persistent masters they hold values only inside ``step()``."""
         return list(self.store.stepped)
 
     def param_names(self) -> list[str | None] | None:
@@ -232,8 +242,8 @@ class FP16Optimizer(torch.optim.Optimizer):
 
     @property
     def last_grad_norm(self) -> float | None:
-        """Global 2-norm of the unscaled gradients of the last step, before clipping;
-        None when neither clipping nor tracking, and after a skipped step."""
+        """The last step's global 2-norm of the unscaled gradients, before clipping (None
+        when neither clipping nor tracking, and after a skipped step)."""
         return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
     @property
@@ -252,9 +262,9 @@ class FP16Optimizer(torch.optim.Optimizer):
                                   "optimizer with all of its groups, then wrap it")
 
     def __repr__(self) -> str:
-        return (f"FP16Optimizer(master_weights={self.master_weights if self.master_mode != 'remainder' else 'remainder'!r}, "
-                f"scaler={self.scaler!r}, max_grad_norm={self.max_grad_norm}, store={self.store.kind}, "
-                f"fused={self.fused},\n  {self.optimizer!r})")
+        masters = self.master_weights if self.master_mode != "remainder" else "remainder"
+        return (f"FP16Optimizer(master_weights={masters!r}, scaler={self.scaler!r}, max_grad_norm="
+                f"{self.max_grad_norm}, store={self.store.kind}, fused={self.fused},\n  {self.optimizer!r})")
 
     # ------------------------------------------------------------------ the step
 
@@ -331,9 +341,7 @@ class FP16Optimizer(torch.optim.Optimizer):
 
         Raises:
             LossScaleStuckError: the gradients kept overflowing at the lowest scale.
-            RuntimeError: no backward pass reached the parameters since the last step,
-                the gradients were not produced by :meth:`backward` while the loss
-                scale is not 1, or a gradient arrived after :meth:`unscale_`.
+            RuntimeError: a call in a wrong order (mpfp16/step_state.py), one line.
         """
         if closure is not None:
             raise ValueError("FP16Optimizer.step() takes no closure: call backward() then step()")
@@ -389,12 +397,8 @@ class FP16Optimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def skip_step(self) -> None:
         """After :meth:`prepare_grads` found an inf/NaN gradient: nothing is stepped,
-        the gradients are zeroed and the scale backs off (one log line, on rank 0).
-
-        Raises:
-            LossScaleStuckError: the overflows go on at the lowest scale; the line names
-                the parameters of the last one.
-        """
+        the gradients are zeroed and the scale backs off (one log line, on rank 0);
+        ``LossScaleStuckError`` (naming the last culprits) if it can back off no more."""
         self._ready_state(finite=False)
         self.skipped_steps += 1
         self._last_grad_norm = None
@@ -474,6 +478,7 @@ class FP16Optimizer(torch.optim.Optimizer):
             "iteration": self.iteration,
             "rounding": self.rounding,
             "rounding_rng": self._rounding_rng.get_state(),
+            "state_dtypes": {name: dtype_name(d) for name, d in self.state_dtypes.items()},  # fp32 ones left out
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -505,3 +510,6 @@ class FP16Optimizer(torch.optim.Optimizer):
         if state_dict.get("rounding_rng") is not None:
             self._rounding_rng.set_state(state_dict["rounding_rng"].cpu())
         self.store.load_state(entries, legacy)
+        changed = state_dtypes_changed(state_dict, self.state_dtypes)
+        if changed and is_main_process():
+            logger.info("FP16Optimizer: %s", changed)

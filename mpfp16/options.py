@@ -13,7 +13,8 @@ from .errors import library_words
 from .rounding import ROUNDINGS
 from .scaler import DynamicLossScaler, LossScaler
 
-__all__ = ["check_options", "check_types", "held_params", "make_scaler", "master_mode", "is_number", "MASTER_WEIGHTS",
+__all__ = ["check_options", "check_types", "held_params", "make_scaler", "master_mode", "is_number", "state_dtypes_of",
+           "STATE_NAMES", "STATE_DTYPES", "STATE_ROUNDINGS", "MASTER_WEIGHTS",
            "ACCUMULATE_DTYPES"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -158,7 +159,8 @@ def make_scaler(loss_scale, compute_dtype: torch.dtype) -> LossScaler:
     elif is_number(loss_scale):
         scaler = LossScaler(float(loss_scale))
     else:
-        raise TypeError(f"loss_scale must be 'dynamic', a number, None or a LossScaler; got {type(loss_scale).__name__}")
+        raise TypeError("loss_scale must be 'dynamic', a number, None or a LossScaler; got "
+                        f"{type(loss_scale).__name__}")
     if compute_dtype == torch.bfloat16 and (scaler.dynamic or scaler.scale != 1.0):
         shown = repr(loss_scale) if not isinstance(loss_scale, LossScaler) else repr(scaler)
         raise ValueError(f"loss_scale={shown} over a model that computes in bfloat16: bf16 has fp32's exponent "
@@ -182,7 +184,8 @@ def held_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model= must be the torch.nn.Module the parameters belong to, not {type(model).__name__}")
     if not isinstance(track_grad_norm, bool):
-        raise TypeError(f"track_grad_norm={track_grad_norm!r} must be True or False, not {type(track_grad_norm).__name__}")
+        raise TypeError(f"track_grad_norm={track_grad_norm!r} must be True or False, not "
+                        f"{type(track_grad_norm).__name__}")
     if not isinstance(rounding_seed, int) or isinstance(rounding_seed, bool):
         raise TypeError(f"rounding_seed={rounding_seed!r} must be an int, not {type(rounding_seed).__name__}")
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -206,3 +209,69 @@ def held_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
     if not params:
         raise ValueError("the optimizer holds no parameter")
     return params
+
+
+# The per-parameter states of the inner optimizers whose states may be kept in 16 bits
+# (state_dtype), by class name; every one is a tensor of its parameter's shape.
+STATE_NAMES = {"SGD": ("momentum_buffer",), "Adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+               "AdamW": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+STATE_DTYPES = (torch.float32, torch.bfloat16)  # state_dtype's choices
+STATE_ROUNDINGS = ("nearest", "stochastic")
+
+
+def state_dtypes_of(optimizer_name: str | None, state_dtype: torch.dtype | None = None,
+                    state_dtypes: dict | None = None, state_rounding: str = "nearest", *, sharded: bool = False,
+                    say=library_words) -> dict[str, torch.dtype]:
+    """The dtype each of the inner optimizer's states is kept in between steps, from
+    FP16Optimizer's ``state_dtype`` (every floating state) and ``state_dtypes`` (per
+    state, Megatron-LM's ``exp_avg_dtype``/``exp_avg_sq_dtype`` by name, over
+    ``state_dtype``): ``{name: dtype}`` of the states not kept in fp32 (``{}``: all fp32).
+    ``optimizer_name``: the inner optimizer's class name (None: a front end that does
+    not know it yet checks the dtypes alone).
+
+    fp16 is refused: its 5-bit exponent cannot hold the second moment (a gradient of
+    1e-4 squares to 1e-8, below fp16's smallest subnormal, 6e-8, and v = 0 divides the
+    update by eps alone), nor a first moment or momentum of gradients that small.
+
+    Raises:
+        ValueError, TypeError: one line naming the option.
+    """
+    if state_rounding not in STATE_ROUNDINGS:
+        raise ValueError(f"{say('state_rounding', state_rounding)} must be one of "
+                         f"{', '.join(map(repr, STATE_ROUNDINGS))}")
+    if state_dtypes is not None and not isinstance(state_dtypes, dict):
+        raise TypeError(f"{say('state_dtypes', state_dtypes)} must be a dict of state name to dtype, not "
+                        f"{type(state_dtypes).__name__}")
+    asked = {**({"*": state_dtype} if state_dtype is not None else {}), **(state_dtypes or {})}
+    for name, dtype in asked.items():
+        option = say("state_dtype", dtype) if name == "*" else say("state_dtypes", {name: dtype})
+        if dtype == torch.float16:
+            raise ValueError(f"{option}: fp16 cannot hold optimizer states: its 5-bit exponent underflows the second "
+                             "moment (a gradient of 1e-4 squares to 1e-8, below fp16's smallest subnormal, 6e-8) and "
+                             "the moments of gradients that small; use torch.bfloat16, which has fp32's range")
+        if dtype not in STATE_DTYPES:
+            raise ValueError(f"{option}: a state is kept in torch.float32 or torch.bfloat16")
+    wanted = {name: dtype for name, dtype in asked.items() if dtype != torch.float32 or name != "*"}
+    if not any(dtype != torch.float32 for dtype in asked.values()):
+        if state_rounding != "nearest":
+            raise ValueError(f"{say('state_rounding', state_rounding)} rounds 16-bit states, and every state is "
+                             f"fp32: pass {say('state_dtype', torch.bfloat16)} too, or drop it")
+        return {}
+    if sharded:
+        raise ValueError(f"{say('state_dtype', state_dtype if state_dtype is not None else state_dtypes)} is not "
+                         "possible for a sharded model: FSDP2's shards are stepped by the inner optimizer itself, "
+                         "whose states it keeps in its parameters' dtype; drop it, or train unsharded")
+    if optimizer_name is None:
+        return {}
+    names = STATE_NAMES.get(optimizer_name)
+    if names is None:
+        raise ValueError(f"state_dtype applies to SGD, Adam and AdamW, whose states are mpfp16's to keep; "
+                         f"{optimizer_name} keeps states of its own (torchao's low-bit optimizers quantize theirs "
+                         "already): drop state_dtype")
+    unknown = sorted(set(wanted) - set(names) - {"*"})
+    if unknown:
+        raise ValueError(f"{say('state_dtypes', {unknown[0]: wanted[unknown[0]]})}: {optimizer_name} keeps "
+                         f"{', '.join(names)}")
+    every = wanted.get("*", torch.float32)
+    out = {name: wanted.get(name, every) for name in names}
+    return {name: dtype for name, dtype in out.items() if dtype != torch.float32}

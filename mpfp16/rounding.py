@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROUNDINGS", "stochastic_round", "write_weights", "read_weights", "split_remainder", "join_remainder",
+__all__ = ["ROUNDINGS", "stochastic_round", "write_state", "write_weights", "read_weights", "split_remainder",
+           "join_remainder",
            "REMAINDER_TIE"]
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
@@ -101,6 +102,15 @@ def stochastic_round(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -
     lo, hi = torch.minimum(rf, other), torch.maximum(rf, other)
     up = noise < (x - lo) / (hi - lo)
     return torch.where((x != rf) & torch.isfinite(rf), torch.where(up, hi, lo), rf).to(dtype)
+
+
+def write_state(buf: torch.Tensor, new: torch.Tensor, noise: torch.Tensor | None) -> None:
+    """Store the fp32 result ``new`` into an optimizer state ``buf``: as it is (fp32),
+    rounded to nearest (even), or with ``noise`` stochastically (:func:`stochastic_round`)."""
+    if noise is not None and buf.dtype != torch.float32:
+        buf.copy_(stochastic_round(new, noise, buf.dtype))
+    else:
+        buf.copy_(new)
 
 
 def write_weights(weights, new, old, noise, comp, rounding: str) -> None:

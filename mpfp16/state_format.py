@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["STATE_FORMAT", "upgrade_state_dict", "check_state_dict", "dtype_name", "keyed_by_parameter",
-           "keyed_by_index"]
+           "keyed_by_index", "state_dtypes_changed"]
 
 STATE_FORMAT = "mpfp16.FP16Optimizer/3"
 # Formats written by earlier versions, and the store that wrote them.
@@ -66,6 +66,17 @@ def keyed_by_index(state_dict: dict, shapes: list[list[int]], like) -> dict:
     return {"state": {index[k]: {name: like(index[k], v) if torch.is_tensor(v) and list(v.shape) == shapes[index[k]]
                                  else v for name, v in s.items()} for k, s in inner["state"].items()},
             "param_groups": [{**g, "params": [index[k] for k in g["params"]]} for g in inner["param_groups"]]}
+
+
+def state_dtypes_changed(state_dict: dict, mine: dict) -> str | None:
+    """The line that says a state saved with other ``state_dtypes`` (its record: the
+    16-bit states by name; none in a state of before them) is kept in this optimizer's
+    dtypes from now on (``mine``), or None when they are the same."""
+    saved, now = state_dict.get("state_dtypes") or {}, {name: dtype_name(d) for name, d in mine.items()}
+    if saved == now:
+        return None
+    return (f"the optimizer states were saved as {saved or 'fp32'} and are kept as {now or 'fp32'} from here on "
+            "(converted once, to nearest)")
 
 
 # ------------------------------------------------------------------ upgrades
@@ -245,8 +256,8 @@ def _check_indices(state: dict, inner: torch.optim.Optimizer, keys: list[str], s
         raise ValueError("the state_dict's inner optimizer state has no per-parameter state")
     for key, entry in per_param.items():
         if key not in seen:
-            raise ValueError(f"the state_dict's inner optimizer state is keyed {key!r}, which is not a parameter of its "
-                             "groups")
+            raise ValueError(f"the state_dict's inner optimizer state is keyed {key!r}, which is not a parameter "
+                             "of its groups")
         if not isinstance(entry, dict):
             raise ValueError(f"the state_dict's inner optimizer state of parameter {key!r} is not a dict")
         shape = shapes[position[key]]

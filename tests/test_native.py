@@ -89,6 +89,54 @@ def test_native_adam_is_torchs_arithmetic_bit_for_bit(weight_dtype, grad_dtype, 
         assert not torch.equal(mine[2], state[2])  # it stepped
 
 
+BF16 = torch.bfloat16
+MOMENTS = [(torch.float32, BF16), (BF16, torch.float32), (BF16, BF16)]
+
+
+@pytest.mark.parametrize("weights,grads,has_master", [(torch.float16, torch.float16, True),
+                                                      (BF16, torch.float32, True), (BF16, BF16, False)],
+                         ids=["fp16-masters", "bf16-fp32-grads-masters", "bf16-no-masters"])
+@pytest.mark.parametrize("m_dtype,v_dtype", MOMENTS, ids=[f"{str(m)[6:]}-{str(v)[6:]}" for m, v in MOMENTS])
+def test_bf16_moments_are_the_fp32_step_rounded_once_bit_for_bit(m_dtype, v_dtype, weights, grads, has_master):
+    """issue 39: the moments widened, the step of torch's arithmetic from them in fp32
+    (the new parameter from the new moments unrounded), each new moment then rounded
+    once to nearest-even with .to(): every buffer's bits, at sizes that take the tail,
+    the vector loop and two threads."""
+    g = torch.Generator().manual_seed(1)
+    assert native.handles_states(m_dtype, v_dtype)
+    for (wd_mode, beta1), n in itertools.product([("decoupled", 0.9), ("coupled", 0.3)], SIZES):
+        inv_scale = 1.0 if grads == torch.float32 else 1 / 1024
+        p0 = torch.randn(n, generator=g)
+        grad = (torch.randn(n, generator=g) * (1 / inv_scale)).to(grads)
+        m0 = (torch.randn(n, generator=g) * 0.1).to(m_dtype)
+        v0 = (torch.rand(n, generator=g) * 1e-2).to(v_dtype)
+        master = p0 + 1e-4 * torch.randn(n, generator=g) if has_master else None
+        mine = [p0.to(weights), None if master is None else master.clone(), m0.clone(), v0.clone()]
+        ref = [p0.to(weights), None if master is None else master.clone(), m0.float().clone(), v0.float().clone()]
+        native.adam_update(mine[0], grad, mine[1], mine[2], mine[3], **_scalars(beta1, 1.0, inv_scale),
+                           has_weight_decay=True, decoupled=wd_mode == "decoupled", maximize=False,
+                           lerp_low=abs(1 - beta1) < 0.5)
+        _by_eager_ops(ref[0], grad, ref[1], ref[2], ref[3], beta1=beta1, clip=1.0, inv_scale=inv_scale,
+                      wd_mode=wd_mode, maximize=False)
+        ref[2], ref[3] = ref[2].to(m_dtype), ref[3].to(v_dtype)
+        for name, a, b in zip(("weights", "master", "exp_avg", "exp_avg_sq"), mine, ref):
+            if a is not None:
+                assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), (name, wd_mode, beta1, n)
+        assert not torch.equal(mine[2], m0)  # it stepped
+
+
+def test_moments_of_another_dtype_are_refused_by_the_kernel():
+    """fp16 moments (refused by FP16Optimizer: exp_avg_sq underflows) have no kernel:
+    the library says so, it steps nothing."""
+    assert not native.handles_states(torch.float16, torch.float32)
+    w, grad = torch.zeros(8, dtype=torch.float16), torch.ones(8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="float16 exp_avg and torch.float32 exp_avg_sq"):
+        native.adam_update(w, grad, torch.zeros(8), torch.zeros(8, dtype=torch.float16), torch.zeros(8),
+                           **_scalars(0.9, 1.0, 1.0), has_weight_decay=False, decoupled=False, maximize=False,
+                           lerp_low=False)
+    assert torch.equal(w, torch.zeros(8, dtype=torch.float16))
+
+
 @pytest.mark.parametrize("offset", [0, 1, 7, 32], ids=lambda k: f"weights-at-element-{k}")
 def test_streamed_and_ordinary_weight_stores_give_the_same_bits_at_any_alignment(offset):
     """With masters the 16-bit weights are stored around the cache where a segment

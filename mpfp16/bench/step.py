@@ -3,7 +3,7 @@ loop, each as time, as memory traffic, and as a fraction of this machine's memor
 bandwidth measured in the same run.
 
     python -m mpfp16.bench.step [--model resnet50|gpt2|NAME] [--optimizer sgd|sgd-nowd|adamw|adam]
-                                [--threads 1,2] [--skipped] [--remainder] [--json PATH]
+                                [--threads 1,2] [--skipped] [--remainder] [--state-dtype] [--json PATH]
 
 Every method steps a parameter set with the shapes of a model (a torchvision model by
 name, ResNet-50 by default: 25.6M parameters in 161 tensors; or ``gpt2``, GPT-2
@@ -117,6 +117,9 @@ def traffic(kind: str) -> dict[str, int]:
        (2 + 2) for the master (4), and writes them (2 + 2) for the master and the
        weight (4 + 2): 2 bytes less (one pass for Adam too: its weight decay needs
        the master).
+    l. d with bf16 states (``state_dtype=torch.bfloat16``): the states read and written
+       in 2 bytes where d's take 4 (SGD: 2 + 16 = 18; Adam: 2 + 20 = 22).
+    m. f with bf16 states (SGD: 2 + 10 = 12; Adam: 2 + 14 = 16).
     """
     sgd = kind.startswith("sgd")
     torch_step = _torch_step_bytes(kind, fused=False)
@@ -133,6 +136,8 @@ def traffic(kind: str) -> dict[str, int]:
         "i": 2,
         "j": 2 + fused_kernel,
         "k": 2 + fused_kernel - 2,
+        "l": 2 + fused_kernel - (4 if sgd else 8),
+        "m": 2 + fused_kernel - 6 - (4 if sgd else 8),
     }
 
 
@@ -354,6 +359,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skipped", action="store_true",
                         help="also time a skipped step (one inf in one gradient) and its overflow scan alone (h, i), "
                              "and the loss flag opt.backward() records")
+    parser.add_argument("--state-dtype", action="store_true",
+                        help="also time d and f with bf16 optimizer states (state_dtype=torch.bfloat16) (l, m)")
     parser.add_argument("--remainder", action="store_true",
                         help="also time bf16 with fp32 masters and with master_weights='remainder' side by side (j, k)")
     args = parser.parse_args(argv)
@@ -400,6 +407,11 @@ def main(argv=None) -> int:
         bf16_held = _Mpfp16(kind, params, dtype=torch.bfloat16, fused=True, master_weights="remainder")
         methods["j. bf16 + fp32 masters"] = (bf16_masters._touch, bf16_masters.step)
         methods["k. bf16, remainder masters"] = (bf16_held._touch, bf16_held.step)
+    if args.state_dtype:
+        bf16_states = _Mpfp16(kind, params, fused=True, state_dtype=torch.bfloat16)
+        bf16_states_nomaster = _Mpfp16(kind, params, master_weights=False, fused=True, state_dtype=torch.bfloat16)
+        methods["l. d, bf16 states"] = (bf16_states._touch, bf16_states.step)
+        methods["m. f, bf16 states"] = (bf16_states_nomaster._touch, bf16_states_nomaster.step)
     bytes_per_param = traffic(kind)
     where = cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"# {args.model} shapes: {numel:,} parameters in {len(params)} tensors; {kind}; {device.type} ({where}); "

@@ -80,15 +80,22 @@ class FusedStep:
     phase is handed. The groups are reached through their kernel methods
     (:meth:`mpfp16.stores.groups.ParamGroup.kernel_buffers`, ``check_grads``,
     ``kernel_rounding``, ``ready_fp32_grads``).
+
+    With ``state_dtypes`` (mpfp16/stores/state_dtypes.py) the flat state buffers of
+    those states are 16-bit: the kernels widen them, compute in fp32, and store the new
+    states rounded once (``state_rounding``: to nearest, or stochastically with noise
+    drawn each step).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups, stepped, rounding: str = "nearest") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, groups, stepped, rounding: str = "nearest",
+                 state_dtypes: dict | None = None, state_rounding: str = "nearest") -> None:
         self.optimizer = optimizer
         self.groups = groups  # the ParamGroups, every one flat
         self.stepped = stepped
         self.rounding = rounding
+        self.state_dtypes, self.state_rounding = dict(state_dtypes or {}), state_rounding
         self.is_sgd = type(optimizer) is torch.optim.SGD
-        self._flat_state: dict = {}  # (flat group index, state name) -> flat fp32 buffer
+        self._flat_state: dict = {}  # (flat group index, state name) -> flat state buffer, in its state's dtype
         self._segments: dict = {}  # flat group index -> the segments stepped (module docstring)
         self._steps: dict = {}  # (flat group index, segment index) -> Adam step counters
         self._adopted_for = None  # the requires_grad pattern the segments were made for
@@ -124,8 +131,12 @@ class FusedStep:
         return not with_norm and native.handles(grads.device, grads.dtype, grads.dtype, "nearest")
 
     def _native_adam(self, g, grad_dtype: torch.dtype) -> bool:
-        """Whether native.adam_update steps this group's segments."""
-        return not self.is_sgd and native.handles(g.device, g.dtype, grad_dtype, g.kernel_rounding(self.rounding))
+        """Whether native.adam_update steps this group's segments: its states rounded to
+        nearest, in the dtypes it steps."""
+        moments = tuple(self.state_dtypes.get(name, torch.float32) for name in ("exp_avg", "exp_avg_sq"))
+        return (not self.is_sgd and native.handles(g.device, g.dtype, grad_dtype, g.kernel_rounding(self.rounding))
+                and (moments == (torch.float32, torch.float32) or (
+                    self.state_rounding == "nearest" and native.handles_states(*moments))))
 
     @staticmethod
     def grad_norm(state) -> torch.Tensor:
@@ -169,7 +180,7 @@ class FusedStep:
                 for name in self._state_names(hyper):
                     key = (gi, name)
                     if key not in self._flat_state:
-                        self._flat_state[key] = g.layout.empty(torch.float32, g.device)
+                        self._flat_state[key] = g.layout.empty(self.state_dtypes.get(name, torch.float32), g.device)
                     views = g.layout.views(self._flat_state[key])
                     for i in segment.indices:
                         p, view = g.master_views[i], views[i]
@@ -188,13 +199,18 @@ class FusedStep:
                     self._steps[(gi, si)] = steps
         self._adopted_for = pattern
 
-    def update(self, state, scale: float, clip_coef: torch.Tensor | None, noise: list) -> None:
+    def update(self, state, scale: float, clip_coef: torch.Tensor | None, noise: list,
+               rng: torch.Generator | None = None) -> None:
         """One kernel per segment: update, and write the new 16-bit weights (``scale``:
-        that of the step's gradients, unless ``state`` says they were unscaled)."""
+        that of the step's gradients, unless ``state`` says they were unscaled); with
+        stochastically rounded 16-bit states, their noise drawn from ``rng``."""
         pattern = tuple(p.requires_grad for g in self.groups for p in g.params)
         if self._adopted_for != pattern:
             self._adopt(pattern)
         inv_scale = 1.0 if state.materialized else 1.0 / scale
+        self._state_noise = {} if self.state_rounding != "stochastic" else {
+            (gi, name): torch.rand(g.layout.total, generator=rng, device=g.device)
+            for gi, g in enumerate(self.groups) for name in self.state_dtypes}
         for gi, g in enumerate(self.groups):
             for si, segment in enumerate(self._segments[gi]):
                 hyper = self.optimizer.param_groups[segment.group_index]
@@ -209,6 +225,12 @@ class FusedStep:
         extras = (noise[s] if noise is not None else None, b.comp)
         return b.weights, b.grad, b.master, [self._flat_state[(gi, n)][s] for n in names], extras
 
+    def _noise_of(self, gi, segment, names) -> list:
+        """The stochastic rounding noise of each of ``names``' 16-bit states over
+        ``segment`` (None where a state is rounded to nearest or fp32)."""
+        s = segment.range
+        return [self._state_noise[(gi, n)][s] if (gi, n) in self._state_noise else None for n in names]
+
     def _sgd(self, gi, g, segment, hyper, inv_scale, clip_coef, noise, materialized) -> None:
         from .kernels import compiled, scalar, sgd_update
 
@@ -218,10 +240,11 @@ class FusedStep:
         state = self.optimizer.state
         first = bool(names) and "momentum_buffer" not in state[g.master_views[segment.indices[0]]]
         weights, grad, master, bufs, (noise, comp) = self._slices(gi, g, segment, names, noise, materialized)
+        buf_noise = self._noise_of(gi, segment, names)[0] if names else None
         compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, g.kernel_rounding(self.rounding)))(
             weights, grad, master, bufs[0] if bufs else None, noise, comp, scalar(inv_scale, dev),
             scalar(1.0, dev) if clip_coef is None else clip_coef, scalar(_value(hyper["lr"]), dev),
-            scalar(hyper["weight_decay"], dev), scalar(momentum, dev), scalar(1 - hyper["dampening"], dev))
+            scalar(hyper["weight_decay"], dev), scalar(momentum, dev), scalar(1 - hyper["dampening"], dev), buf_noise)
         if first:
             views = g.layout.views(self._flat_state[(gi, "momentum_buffer")])
             for i in segment.indices:
@@ -243,6 +266,7 @@ class FusedStep:
         scalars = dict(weight_decay=wd, decay_factor=1 - lr * wd, one_minus_beta1=1 - beta1, beta2=beta2,
                        one_minus_beta2=1 - beta2, bias_correction2_sqrt=bias_correction2**0.5, eps=eps,
                        neg_step_size=-step_size)
+        m_noise, v_noise = self._noise_of(gi, segment, ("exp_avg", "exp_avg_sq"))
         if self._native_adam(g, grad.dtype):
             native.adam_update(weights, grad, master, exp_avg, exp_avg_sq, inv_scale=inv_scale,
                                clip_coef=1.0 if clip_coef is None else float(clip_coef), **scalars,
@@ -254,22 +278,24 @@ class FusedStep:
         inv_scale, clip_coef = scalar(inv_scale, dev), scalar(1.0, dev) if clip_coef is None else clip_coef
         wd_t, decay, *rest = (scalar(v, dev) for v in scalars.values())
         moments, new = rest[:3], rest[3:]
-        if self._two_passes(g, hyper):
+        if self._two_passes(g, hyper, self.state_dtypes):
             compiled(adam_moments, maximize=flags["maximize"], lerp_low=flags["lerp_low"])(
                 weights, grad, exp_avg, exp_avg_sq, inv_scale, clip_coef, wd_t, *moments)
             compiled(adam_apply, rounding=flags["rounding"])(weights, exp_avg, exp_avg_sq, noise, comp, *new)
             return
-        compiled(adam_update, **flags)(
-            weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_scale, clip_coef, wd_t, decay, *moments, *new)
+        compiled(adam_update, **flags)(weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_scale, clip_coef,
+                                       wd_t, decay, *moments, *new, m_noise, v_noise)
 
     @staticmethod
-    def _two_passes(g, hyper: dict) -> bool:
+    def _two_passes(g, hyper: dict, state_dtypes: dict) -> bool:
         """Adam with coupled weight decay over 16-bit weights without masters, on CPU
         with inductor's kernels (stochastic or Kahan rounding; round-to-nearest takes
         the native kernel, one pass): two passes (``kernels.adam_moments``) run faster
         than one there. Not with remainders: the weight decay is of the exact master,
-        which only the one-pass kernel rebuilds."""
-        return (not g.has_master and g.half and g.device.type == "cpu" and hyper["weight_decay"] != 0
+        which only the one-pass kernel rebuilds; nor with 16-bit moments, whose second
+        pass would read them rounded where the step reads the fp32 values."""
+        return (not state_dtypes and not g.has_master and g.half and g.device.type == "cpu"
+                and hyper["weight_decay"] != 0
                 and not hyper.get("decoupled_weight_decay", False) and g.remainder is None)
 
     @staticmethod
@@ -332,7 +358,10 @@ class FusedStep:
         one = scalar(1.0, dev)
         weights = torch.zeros(numel, dtype=dtype, device=dev)
         master = torch.zeros(numel, device=dev) if g.has_master else None
-        bufs = [torch.zeros(numel, device=dev) for _ in range(2)]
+        names = ("momentum_buffer",) if self.is_sgd else ("exp_avg", "exp_avg_sq")
+        bufs = [torch.zeros(numel, dtype=self.state_dtypes.get(n, torch.float32), device=dev) for n in names]
+        state_noise = [torch.zeros(numel, device=dev) if self.state_rounding == "stochastic" and n in self.state_dtypes
+                       else None for n in names]
         noise = torch.zeros(numel, device=dev) if rounding == "stochastic" else None
         comp = (torch.zeros(numel, dtype=dtype, device=dev) if rounding == "kahan" else
                 torch.zeros(numel, dtype=torch.int16, device=dev) if rounding == "remainder" else None)
@@ -340,11 +369,11 @@ class FusedStep:
         if self.is_sgd:
             for first in (True, False):
                 compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, rounding))(
-                    weights, grad, master, bufs[0], noise, comp, one, one, one, one, one, one)
-        elif self._two_passes(g, hyper):
+                    weights, grad, master, bufs[0], noise, comp, one, one, one, one, one, one, state_noise[0])
+        elif self._two_passes(g, hyper, self.state_dtypes):
             compiled(adam_moments, maximize=flags["maximize"], lerp_low=flags["lerp_low"])(
                 weights, grad, bufs[0], bufs[1], one, one, one, one, one, one)
             compiled(adam_apply, rounding=rounding)(weights, bufs[0], bufs[1], noise, comp, one, one, one)
         else:
-            compiled(adam_update, **flags)(
-                weights, grad, master, bufs[0], bufs[1], noise, comp, one, one, one, one, one, one, one, one, one, one)
+            compiled(adam_update, **flags)(weights, grad, master, bufs[0], bufs[1], noise, comp, one, one, one, one,
+                                           one, one, one, one, one, one, *state_noise)

@@ -238,7 +238,8 @@ class ParamGroup:
             self.master_views = self.params
 
     @classmethod
-    def flat(cls, placed: flat_buffers.FlatParams, master_weights, group_of, kahan=False, accumulate=False) -> ParamGroup:
+    def flat(cls, placed: flat_buffers.FlatParams, master_weights, group_of, kahan=False,
+             accumulate=False) -> ParamGroup:
         return cls(FlatSide(placed, placed.layout), master_weights, group_of, kahan, accumulate)
 
     @classmethod

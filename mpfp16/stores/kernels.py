@@ -39,7 +39,7 @@ import torch._inductor.config
 from torch._inductor import inductor_prims
 
 from .. import inductor
-from ..rounding import read_weights, write_weights
+from ..rounding import read_weights, write_state, write_weights
 
 logger = logging.getLogger("mpfp16")
 
@@ -93,22 +93,24 @@ def _unscaled(grad, inv_scale, clip_coef, maximize: bool):
 
 
 def sgd_update(weights, grad, master, momentum_buf, noise, comp, inv_scale, clip_coef, lr, weight_decay, momentum,
-               one_minus_dampening, *, has_master: bool, has_weight_decay: bool, has_momentum: bool,
+               one_minus_dampening, buf_noise=None, *, has_master: bool, has_weight_decay: bool, has_momentum: bool,
                first_step: bool, nesterov: bool, maximize: bool, rounding: str) -> None:
     """torch.optim.SGD on one flat segment.
 
     ``weights`` is the model's buffer (16-bit or fp32); ``master`` the fp32 master or,
     without masters (``has_master=False``), unused: the fp32 value is the upcast weight,
     or with ``rounding="remainder"`` the master that the bf16 weight and its int16
-    remainder (``comp``) hold exactly, split into them again after the update.
+    remainder (``comp``) hold exactly, split into them again after the update. A bf16
+    ``momentum_buf`` is widened, and its new value stored rounded to nearest, or
+    stochastically with ``buf_noise``; the update uses the fp32 value.
     """
     param = master if has_master else read_weights(weights, comp, rounding)
     g = _unscaled(grad, inv_scale, clip_coef, maximize)
     if has_weight_decay:
         g = add_alpha(g, param, weight_decay)
     if has_momentum:
-        buf = g if first_step else add_alpha(momentum_buf * momentum, g, one_minus_dampening)
-        momentum_buf.copy_(buf)
+        buf = g if first_step else add_alpha(momentum_buf.float() * momentum, g, one_minus_dampening)
+        write_state(momentum_buf, buf, buf_noise)
         g = add_alpha(g, buf, momentum) if nesterov else buf
     new = add_alpha(param, g, -lr)
     if has_master:
@@ -117,8 +119,10 @@ def sgd_update(weights, grad, master, momentum_buf, noise, comp, inv_scale, clip
 
 
 def _adam_moments(g, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, lerp_low: bool):
-    """The new exp_avg and exp_avg_sq, as torch's Adam computes them."""
-    return lerp(exp_avg, g, one_minus_beta1, lerp_low), addcmul(exp_avg_sq * beta2, g, g, one_minus_beta2)
+    """The new exp_avg and exp_avg_sq, as torch's Adam computes them (from 16-bit
+    ones widened)."""
+    return (lerp(exp_avg.float(), g, one_minus_beta1, lerp_low),
+            addcmul(exp_avg_sq.float() * beta2, g, g, one_minus_beta2))
 
 
 def _adam_new(param, m, v, bias_correction2_sqrt, eps, neg_step_size):
@@ -127,13 +131,16 @@ def _adam_new(param, m, v, bias_correction2_sqrt, eps, neg_step_size):
 
 
 def adam_update(weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_scale, clip_coef, weight_decay,
-                decay_factor, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size, *,
-                has_master: bool, has_weight_decay: bool, decoupled: bool, maximize: bool, lerp_low: bool,
-                rounding: str) -> None:
+                decay_factor, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size,
+                m_noise=None, v_noise=None, *, has_master: bool, has_weight_decay: bool, decoupled: bool,
+                maximize: bool, lerp_low: bool, rounding: str) -> None:
     """torch.optim.Adam / AdamW (amsgrad off) on one flat segment; the step scalars
     (bias corrections, step size) are computed by the caller in Python doubles, as
     torch's single-tensor Adam does. Without master weights and with Adam's coupled
-    weight decay, the fused backend runs ``adam_moments`` and ``adam_apply`` instead."""
+    weight decay, the fused backend runs ``adam_moments`` and ``adam_apply`` instead
+    (fp32 moments only). 16-bit moments are widened, the step computed from the fp32
+    values, and the new moments stored rounded once (``m_noise``, ``v_noise``:
+    stochastic rounding's noise, or None: to nearest)."""
     old = param = master if has_master else read_weights(weights, comp, rounding)
     g = _unscaled(grad, inv_scale, clip_coef, maximize)
     if has_weight_decay:
@@ -143,8 +150,8 @@ def adam_update(weights, grad, master, exp_avg, exp_avg_sq, noise, comp, inv_sca
             g = add_alpha(g, param, weight_decay)
     m, v = _adam_moments(g, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, lerp_low)
     new = _adam_new(param, m, v, bias_correction2_sqrt, eps, neg_step_size)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
+    write_state(exp_avg, m, m_noise)
+    write_state(exp_avg_sq, v, v_noise)
     if has_master:
         master.copy_(new)
     write_weights(weights, new, old, noise, comp, rounding)

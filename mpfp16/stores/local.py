@@ -26,6 +26,7 @@ from .. import flat_buffers
 from ..errors import FusedStepUnavailable, compile_errors, one_line
 from ..parallel.ranks import failures, is_main_process
 from .groups import ParamGroup
+from .state_dtypes import StateKeeper
 from .interface import ParamStore, find_nonfinite, storage_bytes, total_norm, unscale_and_check, whole
 
 __all__ = ["LocalStore", "build_local_store"]
@@ -60,9 +61,12 @@ class LocalStore(ParamStore):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], groups: list[ParamGroup],
-                 rounding: str, why: str | None = None) -> None:
+                 rounding: str, why: str | None = None, state_dtypes: dict | None = None,
+                 state_rounding: str = "nearest") -> None:
         super().__init__()
         self.optimizer, self.groups, self.rounding, self.why = optimizer, groups, rounding, why
+        self.state_dtypes, self.state_rounding = dict(state_dtypes or {}), state_rounding
+        self._keeper = StateKeeper(optimizer, self.state_dtypes, state_rounding) if self.state_dtypes else None
         self.kind = "per-tensor" if any(g.side.per_tensor for g in groups) else "flat"
         self.accumulates = any(g.accumulating for g in groups)
         self.params = list(params)
@@ -106,7 +110,8 @@ class LocalStore(ParamStore):
         them (``fused=True``), so a compile that fails raises instead of falling back."""
         from .fused import FusedStep
 
-        self._fused = FusedStep(self.optimizer, self.groups, self.stepped, self.rounding)
+        self._fused = FusedStep(self.optimizer, self.groups, self.stepped, self.rounding, self.state_dtypes,
+                                self.state_rounding)
         self._fused_requested = requested
 
     def use_unfused(self) -> None:
@@ -154,7 +159,9 @@ class LocalStore(ParamStore):
 
     def invalidate(self) -> None:
         if self._fused is not None:
-            self._fused.invalidate()
+            self._fused.invalidate()  # its next step adopts the states into its flat buffers, in their dtypes
+        elif self._keeper is not None:
+            self._keeper.keep(self.stepped)
 
     # ---------------------------------------------------------------- the phases
 
@@ -205,7 +212,7 @@ class LocalStore(ParamStore):
         self._noise = [torch.rand(g.layout.total, generator=rng, device=g.device)
                        if self.rounding == "stochastic" and g.half else None for g in self.groups]
         if self._fused is not None:
-            self._fused.update(state, scale, clip_coef, self._noise)
+            self._fused.update(state, scale, clip_coef, self._noise, rng)
             return
         if clip_coef is not None:  # what clip_grads_with_norm_ does, one multiply per buffer
             for g in self.groups:
@@ -213,6 +220,9 @@ class LocalStore(ParamStore):
         for g in self.groups:
             if g.transient:
                 g.master_from_weights()
+        if self._keeper is not None:  # 16-bit states: widened a bounded chunk at a time
+            self._keeper.step(self.stepped, [p.requires_grad for p in self.params], rng)
+            return
         with _frozen_skipped(self.stepped, self.params):
             self.optimizer.step()
 
@@ -334,7 +344,8 @@ class LocalStore(ParamStore):
 
 
 def build_local_store(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *, master_weights: bool | str,
-                      rounding: str, accumulate: bool = False) -> LocalStore:
+                      rounding: str, accumulate: bool = False, state_dtypes: dict | None = None,
+                      state_rounding: str = "nearest") -> LocalStore:
     """Place ``params`` (every parameter ``optimizer`` holds, in its order) and return
     the store: flat when every one is, or can be, in a flat buffer, else per-tensor, in
     which those that cannot move stay where they are. Parameters of one (device, dtype)
@@ -354,4 +365,4 @@ def build_local_store(optimizer: torch.optim.Optimizer, params: list[torch.Tenso
                        for sub in flat_buffers.by_key(ps, frozen_apart=True).values()]
             continue
         groups += [ParamGroup.flat(fp, master_weights, group_of, kahan, accumulate) for fp in placed]
-    return LocalStore(optimizer, params, groups, rounding, why)
+    return LocalStore(optimizer, params, groups, rounding, why, state_dtypes, state_rounding)

@@ -11,6 +11,12 @@
 // widened exactly and rounded to nearest-even with at::vec's conversions, those of
 // eager .to(); the square root and the division are IEEE, correctly rounded.
 //
+// exp_avg and exp_avg_sq are each fp32 or bf16 (FP16Optimizer's state_dtypes). A bf16
+// moment is widened exactly, the step computed from the fp32 values as for fp32 moments
+// (the new parameter from the new moments unrounded), and the new moment stored rounded
+// once to nearest-even: torch's fp32 step from the widened states, its new states then
+// rounded with .to(torch.bfloat16), bit for bit.
+//
 // A segment is cut into blocks of two vectors. Each thread steps a contiguous run of
 // blocks; a last, partial block is stepped from zero-padded copies on the stack, with
 // the same code as the others, and only its real elements are copied back.
@@ -85,29 +91,38 @@ struct Scalars {
 // Flags, the bits of native.py's FLAGS.
 enum : int { kCoupled = 1, kDecoupled = 2, kMaximize = 4, kLerpLow = 8, kUnscale = 16, kClip = 32 };
 
-template <typename W, typename G, bool kMaster>
+// W, M, V: the types of the weights, exp_avg and exp_avg_sq, each combination a copy of
+// the code of its own. The gradients are fp32 or of W's type, a choice made per call
+// (`fp32_grad`) and taken the same way at every block: as a template parameter too, it
+// doubled the copies and the build's time at first use (docs/BENCHMARKS.md, issue 39).
+template <typename W, typename M, typename V, bool kMaster>
 struct Adam {
-  const G* grad;
+  const void* grad;
+  bool fp32_grad;
   float* master;
-  float* exp_avg;
-  float* exp_avg_sq;
+  M* exp_avg;
+  V* exp_avg_sq;
   W* weights;
   Scalars s;
   int flags;
 
-  // One block of kBlock elements at the given pointers; kStream: store the weights
-  // with store_streaming.
-  template <bool kStream = false>
-  inline void block(const G* gp, float* pp, float* mp, float* vp, W* wp) const {
+  // The block of kBlock elements at element i; kStream: store the weights with
+  // store_streaming.
+  template <bool kStream>
+  inline void block(int64_t i) const {
     Vec g[2], p[2], m[2], v[2];
-    load<G>(gp, g[0], g[1]);
-    if (kMaster) {
-      load<float>(pp, p[0], p[1]);
+    if (fp32_grad) {
+      load<float>(static_cast<const float*>(grad) + i, g[0], g[1]);
     } else {
-      load<W>(wp, p[0], p[1]);
+      load<W>(static_cast<const W*>(grad) + i, g[0], g[1]);
     }
-    load<float>(mp, m[0], m[1]);
-    load<float>(vp, v[0], v[1]);
+    if (kMaster) {
+      load<float>(master + i, p[0], p[1]);
+    } else {
+      load<W>(weights + i, p[0], p[1]);
+    }
+    load<M>(exp_avg + i, m[0], m[1]);
+    load<V>(exp_avg_sq + i, v[0], v[1]);
     const Vec inv_scale(s.inv_scale), clip_coef(s.clip_coef), weight_decay(s.weight_decay),
         decay_factor(s.decay_factor), w_low(s.one_minus_beta1), w_high(s.one_minus_beta1 - 1.0f), beta2(s.beta2),
         one_minus_beta2(s.one_minus_beta2), bias_correction2_sqrt(s.bias_correction2_sqrt), eps(s.eps),
@@ -126,69 +141,105 @@ struct Adam {
       m[k] = (flags & kLerpLow) ? at::vec::fmadd(w_low, diff, m[k]) : at::vec::fmadd(w_high, diff, gk);
       // addcmul(exp_avg_sq * beta2, g, g, value=1 - beta2)
       v[k] = at::vec::fmadd(one_minus_beta2 * gk, gk, v[k] * beta2);
-      // addcdiv(param, exp_avg, sqrt(exp_avg_sq) / bias_correction2_sqrt + eps, value=-step_size)
+      // addcdiv(param, exp_avg, sqrt(exp_avg_sq) / bias_correction2_sqrt + eps, value=-step_size):
+      // from the new moments in fp32, before a 16-bit moment is rounded
       p[k] = param + (neg_step_size * m[k]) / (v[k].sqrt() / bias_correction2_sqrt + eps);
     }
-    store<float>(mp, m[0], m[1]);
-    store<float>(vp, v[0], v[1]);
-    if (kMaster) store<float>(pp, p[0], p[1]);
+    store<M>(exp_avg + i, m[0], m[1]);
+    store<V>(exp_avg_sq + i, v[0], v[1]);
+    if (kMaster) store<float>(master + i, p[0], p[1]);
     if constexpr (kStream) {
-      store_streaming<W>(wp, p[0], p[1]);
+      store_streaming<W>(weights + i, p[0], p[1]);
     } else {
-      store<W>(wp, p[0], p[1]);
+      store<W>(weights + i, p[0], p[1]);
     }
   }
 
-  // The partial block at offset i: k < kBlock elements.
+  // The blocks from element `begin` to `end`. Not inlined, so that the vector loop and
+  // the partial block share one copy of the block's code.
+  template <bool kStream = false>
+  __attribute__((noinline)) void blocks(int64_t begin, int64_t end) const {
+    for (int64_t i = begin; i < end; i += kBlock) block<kStream>(i);
+  }
+
+  // The partial block at element i: k < kBlock elements, stepped in zero-padded copies.
   void tail(int64_t i, int64_t k) const {
-    alignas(64) G g[kBlock] = {};
-    alignas(64) float p[kBlock] = {}, m[kBlock] = {}, v[kBlock] = {};
+    alignas(64) float g[kBlock] = {}, p[kBlock] = {};  // g: fp32 or 16-bit gradients
+    alignas(64) M m[kBlock] = {};
+    alignas(64) V v[kBlock] = {};
     alignas(64) W w[kBlock] = {};
-    std::memcpy(g, grad + i, k * sizeof(G));
+    const size_t grad_size = fp32_grad ? sizeof(float) : sizeof(W);
+    std::memcpy(g, static_cast<const char*>(grad) + i * grad_size, k * grad_size);
     if (kMaster) std::memcpy(p, master + i, k * sizeof(float));
-    std::memcpy(m, exp_avg + i, k * sizeof(float));
-    std::memcpy(v, exp_avg_sq + i, k * sizeof(float));
+    std::memcpy(m, exp_avg + i, k * sizeof(M));
+    std::memcpy(v, exp_avg_sq + i, k * sizeof(V));
     std::memcpy(w, weights + i, k * sizeof(W));
-    block(g, p, m, v, w);
+    Adam{g, fp32_grad, p, m, v, w, s, flags}.blocks(0, kBlock);
     if (kMaster) std::memcpy(master + i, p, k * sizeof(float));
-    std::memcpy(exp_avg + i, m, k * sizeof(float));
-    std::memcpy(exp_avg_sq + i, v, k * sizeof(float));
+    std::memcpy(exp_avg + i, m, k * sizeof(M));
+    std::memcpy(exp_avg_sq + i, v, k * sizeof(V));
     std::memcpy(weights + i, w, k * sizeof(W));
   }
 
   void run(int64_t n, int threads) const {
-    const int64_t blocks = n / kBlock;
+    const int64_t count = n / kBlock;
     const int used = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, n / kGrain)));
 #pragma omp parallel num_threads(used)
     {
       const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-      const int64_t end = blocks * (t + 1) / T * kBlock;
-      int64_t i = blocks * t / T * kBlock;
+      const int64_t begin = count * t / T * kBlock, end = count * (t + 1) / T * kBlock;
+      bool streamed = false;
       if constexpr (kMaster && sizeof(W) == 2 && MPFP16_STREAM_WEIGHTS) {
         // every block starts a multiple of kBlock elements after `weights`: all are
         // aligned for store_streaming or none is
         if (reinterpret_cast<std::uintptr_t>(weights) % (kBlock * sizeof(W)) == 0) {
-          for (; i < end; i += kBlock) block<true>(grad + i, master + i, exp_avg + i, exp_avg_sq + i, weights + i);
+          blocks<true>(begin, end);
           _mm_sfence();  // the streamed lines are written before the threads join
+          streamed = true;
         }
       }
-      for (; i < end; i += kBlock) {
-        block(grad + i, kMaster ? master + i : nullptr, exp_avg + i, exp_avg_sq + i, weights + i);
-      }
+      if (!streamed) blocks(begin, end);
       if (t == T - 1 && end < n) tail(end, n - end);
     }
   }
 };
 
-template <typename W, typename G>
-void adam(int64_t n, const void* grad, float* master, float* exp_avg, float* exp_avg_sq, void* weights,
-          const Scalars& s, int flags, int threads) {
-  if (master != nullptr) {
-    Adam<W, G, true>{static_cast<const G*>(grad), master, exp_avg, exp_avg_sq, static_cast<W*>(weights), s, flags}
-        .run(n, threads);
+// The buffers of one call, as the C ABI passes them.
+struct Buffers {
+  const void* grad;
+  float* master;
+  void* exp_avg;
+  void* exp_avg_sq;
+  void* weights;
+};
+
+// 0, or -1 for fp32 weights with masters (an fp32 group keeps none: not instantiated).
+template <typename W, typename M, typename V>
+int adam(int64_t n, bool fp32_grad, const Buffers& b, const Scalars& s, int flags, int threads) {
+  const auto m = static_cast<M*>(b.exp_avg);
+  const auto v = static_cast<V*>(b.exp_avg_sq);
+  const auto w = static_cast<W*>(b.weights);
+  if (b.master == nullptr) {
+    Adam<W, M, V, false>{b.grad, fp32_grad, nullptr, m, v, w, s, flags}.run(n, threads);
+  } else if constexpr (sizeof(W) == 2) {
+    Adam<W, M, V, true>{b.grad, fp32_grad, b.master, m, v, w, s, flags}.run(n, threads);
   } else {
-    Adam<W, G, false>{static_cast<const G*>(grad), nullptr, exp_avg, exp_avg_sq, static_cast<W*>(weights), s, flags}
-        .run(n, threads);
+    return -1;
+  }
+  return 0;
+}
+
+// The moments' dtype codes (fp32 or bf16 each) to their types; -1 for any other.
+template <typename W>
+int adam(int64_t n, bool fp32_grad, int m_dtype, int v_dtype, const Buffers& b, const Scalars& s, int flags,
+         int threads) {
+  using BF16 = c10::BFloat16;
+  switch (m_dtype * 3 + v_dtype) {
+    case 0: return adam<W, float, float>(n, fp32_grad, b, s, flags, threads);
+    case 2: return adam<W, float, BF16>(n, fp32_grad, b, s, flags, threads);
+    case 6: return adam<W, BF16, float>(n, fp32_grad, b, s, flags, threads);
+    case 8: return adam<W, BF16, BF16>(n, fp32_grad, b, s, flags, threads);
+    default: return -1;
   }
 }
 
@@ -245,21 +296,21 @@ bool nonfinite(int64_t n, const G* grad, float inv_scale, int threads) {
 
 }  // namespace
 
-// dtype codes: 0 fp32, 1 fp16, 2 bf16 (native.py's DTYPES).
-extern "C" int mpfp16_adam(int64_t n, int weight_dtype, int grad_dtype, const void* grad, float* master,
-                           float* exp_avg, float* exp_avg_sq, void* weights, const float* scalars, int flags,
-                           int threads) {
+// dtype codes: 0 fp32, 1 fp16, 2 bf16 (native.py's DTYPES). 0, or -1 for dtypes (or
+// fp32 weights with masters) that no kernel steps: gradients of the weights' dtype or
+// fp32, each moment fp32 or bf16.
+extern "C" int mpfp16_adam(int64_t n, int weight_dtype, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype,
+                           const void* grad, float* master, void* exp_avg, void* exp_avg_sq, void* weights,
+                           const float* scalars, int flags, int threads) {
   Scalars s;
   std::memcpy(&s, scalars, sizeof(Scalars));
-  const int key = weight_dtype * 3 + grad_dtype;
-  switch (key) {
-    case 0: adam<float, float>(n, grad, master, exp_avg, exp_avg_sq, weights, s, flags, threads); return 0;
-    case 3: adam<c10::Half, float>(n, grad, master, exp_avg, exp_avg_sq, weights, s, flags, threads); return 0;
-    case 4: adam<c10::Half, c10::Half>(n, grad, master, exp_avg, exp_avg_sq, weights, s, flags, threads); return 0;
-    case 6: adam<c10::BFloat16, float>(n, grad, master, exp_avg, exp_avg_sq, weights, s, flags, threads); return 0;
-    case 8:
-      adam<c10::BFloat16, c10::BFloat16>(n, grad, master, exp_avg, exp_avg_sq, weights, s, flags, threads);
-      return 0;
+  const Buffers b{grad, master, exp_avg, exp_avg_sq, weights};
+  const int m = exp_avg_dtype, v = exp_avg_sq_dtype;
+  if (grad_dtype != 0 && grad_dtype != weight_dtype) return -1;
+  switch (weight_dtype) {
+    case 0: return adam<float>(n, true, m, v, b, s, flags, threads);
+    case 1: return adam<c10::Half>(n, grad_dtype == 0, m, v, b, s, flags, threads);
+    case 2: return adam<c10::BFloat16>(n, grad_dtype == 0, m, v, b, s, flags, threads);
     default: return -1;
   }
 }

@@ -63,13 +63,15 @@ from ..errors import last_error_line
 
 logger = logging.getLogger("mpfp16")
 
-__all__ = ["handles", "isa", "build", "load", "adam_update", "nonfinite", "DTYPES", "SOURCE"]
+__all__ = ["handles", "handles_states", "isa", "build", "load", "adam_update", "nonfinite", "DTYPES", "SOURCE"]
 
 SOURCE = Path(__file__).with_name("native.cpp")
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # The (weight, gradient) dtypes the library steps (native.cpp's mpfp16_adam).
 PAIRS = {(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.float16, torch.float32),
          (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)}
+# The dtypes each of Adam's moments may have (FP16Optimizer's state_dtypes).
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 # native.cpp's flag bits
 COUPLED, DECOUPLED, MAXIMIZE, LERP_LOW, UNSCALE, CLIP = 1, 2, 4, 8, 16, 32
 
@@ -94,6 +96,12 @@ def handles(device: torch.device, weight_dtype: torch.dtype, grad_dtype: torch.d
     """Whether these kernels step a segment: on an AVX2 or AVX-512 CPU under Linux (the
     build's flags are GCC's and Clang's there), with round-to-nearest weights."""
     return device.type == "cpu" and rounding == "nearest" and (weight_dtype, grad_dtype) in PAIRS and _machine_ok()
+
+
+def handles_states(exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype) -> bool:
+    """Whether these kernels step Adam's moments in these dtypes: each fp32 or bf16,
+    a bf16 moment rounded to nearest-even when it is stored."""
+    return exp_avg_dtype in MOMENT_DTYPES and exp_avg_sq_dtype in MOMENT_DTYPES
 
 
 @functools.cache
@@ -241,7 +249,7 @@ def _open(path: Path, built: bool) -> ctypes.CDLL:
     ``built``: whether this process built it just now."""
     try:
         library = ctypes.CDLL(str(path))
-        library.mpfp16_adam.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [
+        library.mpfp16_adam.argtypes = [ctypes.c_int64] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 6 + [
             ctypes.c_int, ctypes.c_int]
         library.mpfp16_adam.restype = ctypes.c_int
         library.mpfp16_nonfinite.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
@@ -304,7 +312,9 @@ def adam_update(weights: torch.Tensor, grad: torch.Tensor, master: torch.Tensor 
                 one_minus_beta2: float, bias_correction2_sqrt: float, eps: float, neg_step_size: float,
                 has_weight_decay: bool, decoupled: bool, maximize: bool, lerp_low: bool) -> None:
     """kernels.adam_update with round-to-nearest weights, on one flat segment, in
-    place. The scalars are Python floats, rounded to fp32 here as eager rounds them."""
+    place. The scalars are Python floats, rounded to fp32 here as eager rounds them. The
+    moments are fp32 or bf16 (:func:`handles_states`); a bf16 moment is widened, stepped
+    in fp32 and stored rounded to nearest-even."""
     flags = ((DECOUPLED if decoupled else COUPLED) if has_weight_decay else 0) | (MAXIMIZE if maximize else 0) | (
         LERP_LOW if lerp_low else 0)
     values = (inv_scale, clip_coef, weight_decay, decay_factor, one_minus_beta1, beta2, one_minus_beta2,
@@ -315,11 +325,13 @@ def adam_update(weights: torch.Tensor, grad: torch.Tensor, master: torch.Tensor 
     if ctypes.c_float(clip_coef).value != 1.0:
         flags |= CLIP
     status = (library or load()).mpfp16_adam(
-        weights.numel(), DTYPES[weights.dtype], DTYPES[grad.dtype], _pointer(grad), _pointer(master),
+        weights.numel(), DTYPES[weights.dtype], DTYPES[grad.dtype], DTYPES[exp_avg.dtype],
+        DTYPES[exp_avg_sq.dtype], _pointer(grad), _pointer(master),
         _pointer(exp_avg), _pointer(exp_avg_sq), _pointer(weights), ctypes.addressof(scalars), flags,
         torch.get_num_threads())
     if status != 0:
-        raise ValueError(f"native Adam: no kernel for {weights.dtype} weights with {grad.dtype} gradients")
+        raise ValueError(f"native Adam: no kernel for {weights.dtype} weights with {grad.dtype} gradients, "
+                         f"{exp_avg.dtype} exp_avg and {exp_avg_sq.dtype} exp_avg_sq")
 
 
 def nonfinite(grad: torch.Tensor, inv_scale: float, library: ctypes.CDLL | None = None) -> bool:

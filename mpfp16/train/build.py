@@ -143,7 +143,8 @@ def optimizer(cfg: TrainConfig, net: nn.Module, world_size: int) -> FP16Optimize
                              max_grad_norm=cfg.max_grad_norm, model=net, track_grad_norm=True,
                              fused=cfg.fused_option, rounding=cfg.rounding if cfg.precision != "fp32" else "nearest",
                              rounding_seed=cfg.seed,
-                             accumulate_dtype=TORCH_DTYPES.get(cfg.accumulate_dtype) if cfg.precision != "fp32" else None)
+                             accumulate_dtype=TORCH_DTYPES.get(cfg.accumulate_dtype) if cfg.precision != "fp32" else None,
+                             state_dtype=TORCH_DTYPES[cfg.state_dtype], state_rounding=cfg.state_rounding)
     except ValueError as exc:  # --fused on with an optimizer it cannot fuse
         raise UserError(str(exc)) from None
 

@@ -27,9 +27,11 @@ import torch.distributed as dist
 from ..parallel.hooks import STRATEGIES
 from ..parallel.setup import MAX_TIMEOUT_S, check_environment
 from ..errors import FusedStepUnavailable, ReplicaDivergenceError, UserError, escape_breaks, one_line
+from ..options import STATE_ROUNDINGS
 from ..rounding import ROUNDINGS
 from ..scaler import LossScaleStuckError
-from .config import (BAD_IMAGE_POLICIES, FUSED_CHOICES, OPTIMIZERS, PRECISIONS, SYNTHETIC_SIZES, WIRE_DTYPES,
+from .config import (BAD_IMAGE_POLICIES, FUSED_CHOICES, OPTIMIZERS, PRECISIONS, STATE_DTYPE_CHOICES, SYNTHETIC_SIZES,
+                     WIRE_DTYPES,
                      ConfigError, TrainConfig, default_text, say)
 from .preemption import Stopped
 from .schedule import SCHEDULES
@@ -253,6 +255,11 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
     g.add_argument("--accumulate-dtype", choices=["fp32"],
                    help="with --accum-steps N: sum the micro-batches' 16-bit gradients in fp32, sent in the step's "
                         "one allreduce" + default("accumulate_dtype", "the parameters' dtype, as apex"))
+    g.add_argument("--state-dtype", choices=STATE_DTYPE_CHOICES,
+                   help="the optimizer's states (SGD's momentum, AdamW's moments) between steps: bf16 halves their "
+                        "memory, each step computing in fp32 (docs/MEMORY.md)" + default("state_dtype"))
+    g.add_argument("--state-rounding", choices=STATE_ROUNDINGS,
+                   help="with --state-dtype bf16: how new states are rounded" + default("state_rounding"))
     g.add_argument("--fused", choices=FUSED_CHOICES,
                    help="the compiled one-pass optimizer step: auto uses it for SGD/Adam/AdamW from 1M "
                         "parameters" + default("fused"))

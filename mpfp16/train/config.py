@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import options as optimizer_rules
+from ..options import STATE_ROUNDINGS
 from ..errors import UserError, library_words
 from ..parallel import ddp as ddp_rules
 from ..parallel import fsdp as fsdp_rules
@@ -39,6 +40,7 @@ WIRE_DTYPES = ("fp16", "bf16", "fp32")
 BAD_IMAGE_POLICIES = ("fail", "skip")
 FUSED_CHOICES = ("auto", "on", "off")
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # precisions and wire dtypes
+STATE_DTYPE_CHOICES = ("fp32", "bf16")  # --state-dtype
 
 # Defaults that differ between the two tasks.
 TASK_DEFAULTS = {
@@ -116,6 +118,8 @@ class TrainConfig:
     max_grad_norm: float | None = None
     accumulate_dtype: str | None = None  # None: micro-batch gradients summed in the model's dtype; "fp32"
     fused: str = "auto"  # auto | on | off
+    state_dtype: str = "fp32"  # fp32 | bf16: the optimizer's states (momentum, Adam's moments) between steps
+    state_rounding: str = "nearest"  # with --state-dtype bf16: nearest | stochastic
     # distributed
     shard: bool = False  # FSDP2: fp32 masters, gradients and optimizer state sharded across ranks
     allreduce_dtype: str | None = None
@@ -161,7 +165,8 @@ class TrainConfig:
         means nothing or settings that contradict each other; return ``self``."""
         for name, allowed in (("optimizer", OPTIMIZERS), ("precision", PRECISIONS), ("rounding", ROUNDINGS),
                               ("lr_schedule", SCHEDULES), ("allreduce_strategy", STRATEGIES),
-                              ("bad_images", BAD_IMAGE_POLICIES), ("fused", FUSED_CHOICES)):
+                              ("bad_images", BAD_IMAGE_POLICIES), ("fused", FUSED_CHOICES),
+                              ("state_dtype", STATE_DTYPE_CHOICES), ("state_rounding", STATE_ROUNDINGS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unknown {_flag(name)} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
         if self.master_weights not in (True, False, "remainder"):
@@ -207,6 +212,9 @@ class TrainConfig:
                                           max_grad_norm=self.max_grad_norm, fused=self.fused_option, dtypes=(compute,),
                                           sharded=self.shard, accumulate_dtype=TORCH_DTYPES.get(self.accumulate_dtype),
                                           say=say)
+            optimizer_rules.state_dtypes_of({"sgd": "SGD", "adamw": "AdamW"}[self.optimizer],
+                                            TORCH_DTYPES[self.state_dtype], None, self.state_rounding,
+                                            sharded=self.shard, say=say)
             if self.shard:
                 fsdp_rules.check_options(compute, wire, say=say)
             else:
@@ -244,7 +252,7 @@ def _flag(name: str) -> str:
 
 
 # The library's option names that are spelled otherwise as flags.
-_FLAGS = {"strategy": "--allreduce-strategy", "accumulate_dtype": "--accumulate-dtype", "param_dtype": "--precision", "reduce_dtype": "--allreduce-dtype",
+_FLAGS = {"state_dtypes": "--state-dtype", "strategy": "--allreduce-strategy", "accumulate_dtype": "--accumulate-dtype", "param_dtype": "--precision", "reduce_dtype": "--allreduce-dtype",
           "backend": "--dist-backend", "timeout_s": "--dist-timeout"}
 _DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 

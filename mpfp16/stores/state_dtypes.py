@@ -1,0 +1,107 @@
+"""Optimizer states kept in 16 bits (``FP16Optimizer(state_dtype=torch.bfloat16)``).
+
+The inner optimizer's per-parameter states (SGD's ``momentum_buffer``; Adam's and
+AdamW's ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) are kept in bf16 between steps;
+each step computes in fp32 from them and rounds the new states once, to nearest or
+stochastically (mpfp16.rounding.stochastic_round, drawn from the optimizer's rounding
+generator, whose state the state_dict keeps). The fused kernels read and write the
+16-bit states directly (mpfp16/stores/fused.py). The inner optimizer's own step (the
+unfused path) works in fp32 alone, so :class:`StateKeeper` widens the states of a
+bounded chunk of parameters at a time, steps that chunk, and rounds them back: the
+fp32 copies of at most :data:`CHUNK_NUMEL` parameters' states exist at once, whatever
+the model's size, so the saving holds at the step's peak, up to that bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..rounding import stochastic_round
+
+__all__ = ["StateKeeper", "CHUNK_NUMEL", "round_state"]
+
+CHUNK_NUMEL = 1 << 22  # parameters whose states are widened to fp32 at once by the unfused step (16 MiB a state)
+
+
+def round_state(value: torch.Tensor, dtype: torch.dtype, rounding: str, rng: torch.Generator | None) -> torch.Tensor:
+    """fp32 ``value`` as a state of ``dtype``: rounded to nearest (even), or
+    stochastically with noise drawn from ``rng``."""
+    if dtype == value.dtype:
+        return value
+    if rounding == "stochastic":
+        noise = torch.rand(value.shape, generator=rng, device=value.device)
+        return stochastic_round(value.float(), noise, dtype)
+    return value.to(dtype)
+
+
+class StateKeeper:
+    """Keeps the inner optimizer's states in ``dtypes`` (``{name: dtype}`` of the states
+    not kept in fp32) between the steps of its own ``step()``.
+
+    Args:
+        optimizer: the inner optimizer.
+        dtypes: the states kept in 16 bits, by name.
+        rounding: ``"nearest"`` or ``"stochastic"``, how a new state is rounded.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, dtypes: dict[str, torch.dtype], rounding: str) -> None:
+        self.optimizer, self.dtypes, self.rounding = optimizer, dict(dtypes), rounding
+
+    def step(self, stepped: list[torch.Tensor], trainable: list[bool], rng: torch.Generator) -> None:
+        """The inner optimizer's step over the masters ``stepped`` (``trainable``: which
+        require grad now; the others are left alone, as a parameter without a gradient
+        is), a chunk of at most :data:`CHUNK_NUMEL` parameters at a time: each chunk's
+        states widened to fp32, the chunk stepped with the others' gradients hidden,
+        its new states rounded back."""
+        live = [m for m, t in zip(stepped, trainable) if t and m.grad is not None]
+        for chunk in _chunks(live, CHUNK_NUMEL):
+            members = {id(m) for m in chunk}
+            hidden = [(m, m.grad) for m in stepped if id(m) not in members and m.grad is not None]
+            for m, _ in hidden:
+                m.grad = None
+            self._widen(chunk)
+            try:
+                self.optimizer.step()
+            finally:
+                for m, grad in hidden:
+                    m.grad = grad
+            self._narrow(chunk, self.rounding, rng)
+
+    def _widen(self, params: list[torch.Tensor]) -> None:
+        state = self.optimizer.state
+        for p in params:
+            entry = state.get(p)
+            for name in self.dtypes:
+                t = entry.get(name) if entry else None
+                if t is not None and t.dtype != torch.float32:
+                    entry[name] = t.float()
+
+    def _narrow(self, params: list[torch.Tensor], rounding: str, rng: torch.Generator | None) -> bool:
+        state, changed = self.optimizer.state, False
+        for p in params:
+            entry = state.get(p)
+            for name, dtype in self.dtypes.items():
+                t = entry.get(name) if entry else None
+                if t is not None and t.dtype != dtype:
+                    entry[name] = round_state(t, dtype, rounding, rng)
+                    changed = True
+        return changed
+
+    def keep(self, params: list[torch.Tensor]) -> bool:
+        """After the inner optimizer loaded a state (torch's load makes every floating
+        state its parameter's dtype, fp32): round the states to their dtypes, to
+        nearest. Returns whether any state was not of its dtype yet."""
+        return self._narrow(params, "nearest", None)
+
+
+def _chunks(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """``params`` in consecutive runs of at most ``limit`` elements (a larger one alone)."""
+    chunks: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        if not chunks or size + p.numel() > limit:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += p.numel()
+    return chunks
