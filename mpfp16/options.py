@@ -265,9 +265,10 @@ def state_dtypes_of(optimizer_name: str | None, state_dtype: torch.dtype | None 
         return {}
     names = STATE_NAMES.get(optimizer_name)
     if names is None:
-        raise ValueError(f"state_dtype applies to SGD, Adam and AdamW, whose states are mpfp16's to keep; "
+        given = "state_dtype" if state_dtype is not None else "state_dtypes"
+        raise ValueError(f"{given} applies to SGD, Adam and AdamW, whose states are mpfp16's to keep; "
                          f"{optimizer_name} keeps states of its own (torchao's low-bit optimizers quantize theirs "
-                         "already): drop state_dtype")
+                         f"already): drop {given}")
     unknown = sorted(set(wanted) - set(names) - {"*"})
     if unknown:
         raise ValueError(f"{say('state_dtypes', {unknown[0]: wanted[unknown[0]]})}: {optimizer_name} keeps "

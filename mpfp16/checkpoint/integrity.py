@@ -55,6 +55,7 @@ import re
 import struct
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import CheckpointError
 from ..parallel.ranks import all_gather_object
@@ -169,7 +170,13 @@ def _shard_piece(t) -> tuple[torch.Tensor, int]:
 
 
 def _walk(obj, path: tuple, out: list) -> None:
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, torch.Tensor) and not is_sharded(obj) and is_traceable_wrapper_subclass(obj):
+        # a tensor that wraps others (torchao's quantized optimizer states: codes, scales,
+        # a lookup table) has no bytes of its own to sum: its inner tensors, each by name
+        names, _ = obj.__tensor_flatten__()
+        for name in names:
+            _walk(getattr(obj, name), path + (name,), out)
+    elif isinstance(obj, torch.Tensor):
         out.append((path, obj))
     elif isinstance(obj, dict):
         for key, value in obj.items():

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..parallel.fsdp_shim import is_sharded
 
@@ -112,14 +113,30 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_sharded(t) else t
 
 
+def _plain_parts(t: torch.Tensor):
+    """The plain tensors that hold ``t``'s data: ``t`` itself, or, for a tensor
+    subclass that wraps others (torch's ``__tensor_flatten__`` protocol: torchao's
+    quantized optimizer states, codes plus scales plus a lookup table; a DTensor's local
+    shard), its inner tensors, recursively. A wrapper has no storage of its own: its
+    ``untyped_storage()`` cannot be read."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _plain_parts(getattr(t, name))
+    else:
+        yield t
+
+
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count
+    once; a tensor subclass counts by the plain tensors it wraps, :func:`_plain_parts`)."""
     seen, total = set(), 0
     for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
+        for part in _plain_parts(t):
+            storage = part.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
     return total
 
 
