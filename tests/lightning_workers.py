@@ -179,13 +179,17 @@ def fit_trainer(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool =
 
 
 def own_loop(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: str | None = None,
-             calls: list | None = None):
+             calls: list | None = None, before_epoch=None, compile: bool = False):
     """mpfp16's own loop over the same batches, as the README writes it:
     (the 16-bit model, its FP16Optimizer, what each step returned). ``ddp``:
     ``"mpfp16"`` wraps the model with mpfp16.distributed.wrap, ``"torch"`` in torch's
     own DistributedDataParallel; the allreduce calls of each optimizer step are
-    appended to ``calls`` (mpfp16's wrap counts them)."""
+    appended to ``calls`` (mpfp16's wrap counts them). As Lightning does, an epoch's
+    last batch ends an optimizer step whether or not ``accum`` divides the epoch.
+    ``before_epoch(net, opt, epoch)`` runs before each epoch; ``compile``: the forward
+    runs through ``torch.compile`` of the converted model."""
     net = mpfp16.to_half(make_net(seed), mode.get("dtype", torch.float16))
+    forward = torch.compile(net) if compile else net
     model = {None: lambda m: m, "mpfp16": mdist.wrap,
              "torch": torch.nn.parallel.DistributedDataParallel}[ddp](net)
     opt = mpfp16.FP16Optimizer(OPTIMIZERS[mode.get("optimizer", "sgd")](net.parameters()),
@@ -194,12 +198,16 @@ def own_loop(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: str | Non
                                **optimizer_kwargs(mode))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9) if mode.get("scheduler") else None
     accum = mode.get("accum", 1)
+    if compile and ddp is None:
+        model = forward
     stepped = []
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        if before_epoch is not None:
+            before_epoch(net, opt, epoch)
         for i, (x, y) in enumerate(data):
             if i % accum == 0:
                 opt.zero_grad()
-            last = (i + 1) % accum == 0
+            last = (i + 1) % accum == 0 or i == len(data) - 1
             with mdist.sync_gradients(model, last):
                 opt.backward(F.cross_entropy(model(x), y) / accum)
             if last:
@@ -224,11 +232,12 @@ def allreduces(fn) -> int:
     return sum(event.name == "c10d::allreduce_" for event in prof.events())
 
 
-def fit_fabric(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = False, calls: list | None = None):
+def fit_fabric(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = False, calls: list | None = None,
+               before_epoch=None):
     """The Fabric loop, as Fabric's docs write it: (the model, the plugin, the Fabric
     optimizer, what each step returned). The allreduce calls of each optimizer step's
     forward and backward passes (not its step, whose overflow flag is one more) are
-    appended to ``calls``."""
+    appended to ``calls``. ``before_epoch(net, epoch, plugin)`` runs before each epoch."""
     L = _lightning()
     from mpfp16.integrations.lightning import MPFP16FabricPrecision
 
@@ -243,11 +252,13 @@ def fit_fabric(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = 
     accum = mode.get("accum", 1)
     stepped = []
     sent = 0
-    for _ in range(epochs):
+    for epoch in range(epochs):
+        if before_epoch is not None:
+            before_epoch(net, epoch, plugin)
         for i, (x, y) in enumerate(data):
             if i % accum == 0:
                 optimizer.zero_grad()
-            last = (i + 1) % accum == 0
+            last = (i + 1) % accum == 0 or i == len(data) - 1
 
             def micro_batch():
                 with fabric.no_backward_sync(model, enabled=not last):
@@ -261,7 +272,9 @@ def fit_fabric(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: bool = 
                 if calls is not None:
                     calls.append(sent)
                     sent = 0
-                if mode.get("clip"):  # an overflowed step is skipped, not an error
+                if mode.get("clip") and mode.get("clip_algorithm") == "value":
+                    fabric.clip_gradients(model, optimizer, clip_val=mode["clip"])
+                elif mode.get("clip"):  # an overflowed step is skipped, not an error
                     fabric.clip_gradients(model, optimizer, max_norm=mode["clip"], error_if_nonfinite=False)
                 stepped.append(optimizer.step())
     return net, plugin, optimizer, stepped

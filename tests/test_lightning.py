@@ -56,10 +56,11 @@ def test_trainer_is_the_own_loop_bit_for_bit(name):
 
 @pytest.mark.parametrize("name", ["fp16-masters-sgd", "bf16-masters-adamw", "fp16-no-masters-kahan-adamw",
                                   "fp16-accumulate-4", "fp16-accumulate-4-fp32-sums", "fp16-skips",
-                                  "fp16-clip-norm-adamw-skips"])
+                                  "fp16-clip-norm-adamw-skips", "fp16-clip-value"])
 def test_fabric_is_the_own_loop_bit_for_bit(name):
     """Accumulation runs under fabric.no_backward_sync, as Fabric's docs write it (on one
-    device it is a no-op)."""
+    device it is a no-op); clipping is fabric.clip_gradients, by norm (max_norm=) or by
+    value (clip_val=), on the unscaled fp32 gradients."""
     mode = MODES[name]
     data = W.make_data(16, inf_batches=mode.get("inf_batches", ()))
     net, plugin, optimizer, stepped = W.fit_fabric(mode, data, epochs=2)

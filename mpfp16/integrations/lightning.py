@@ -45,6 +45,7 @@ try:
     from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy,
                                               SingleDeviceXLAStrategy, XLAStrategy)
     from lightning.pytorch.utilities import GradClipAlgorithmType
+    from lightning_utilities import apply_to_collection
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("mpfp16.integrations.lightning needs Lightning: pip install 'mpfp16[lightning]'") from exc
 
@@ -108,6 +109,51 @@ class _Reports:
         return self.optimizer.skipped_steps if self.optimizer is not None else 0
 
 
+def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    """Every floating-point tensor in ``data`` (a batch: tensors in any nesting of
+    collections, dataclasses included) cast to ``dtype``; integer tensors (labels, token
+    ids) and other objects as they are. Lightning's ``"16-true"`` plugins cast a batch
+    the same way (``HalfPrecision.convert_input``)."""
+    return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+@torch.no_grad()
+@torch.no_grad()
+def _adopt_written_weights(opt: FP16Optimizer) -> None:
+    """Make a write into the 16-bit weights the masters' value, as fp32 training keeps
+    a write into its weights.
+
+    With fp32 masters every 16-bit weight is its master rounded to nearest (the copy
+    back, a load, the construction all leave it so), and the step overwrites the
+    weights from the masters: a write that is not swapped back before the next step (a
+    callback's pruning, an average copied in, a ``load_state_dict``) would be undone by
+    it. Each element whose 16-bit bits are not its master's rounding takes the written
+    value as its master. A write swapped back (an EMA during validation) leaves nothing
+    to adopt. Without masters the 16-bit weights are the values, and a write needs no
+    adopting; with ``master_weights="remainder"`` the bf16 weight is the master's upper
+    half, and a write is kept with the old remainder below it (less than one bf16 step).
+
+    It reads every weight and master, a pass as long as the step's (longer on a CPU,
+    whose eager fp32-to-16-bit conversion is slow): the Trainer's plugin runs it where
+    Lightning runs the hooks that write weights, not at every step."""
+    if opt.master_mode != "fp32":
+        return
+    for weight, master in zip(opt.model_params(), opt.master_params()):
+        if weight is master or weight.dtype == master.dtype:  # an fp32 parameter is its own master
+            continue
+        written = master.to(weight.dtype).view(torch.int16) != weight.view(torch.int16)
+        if bool(written.any()):
+            torch.where(written, weight.to(master.dtype), master, out=master)
+
+
+def _hooks_ran(trainer) -> tuple:
+    """Where the Trainer stands in the runs of the hooks that write weights between
+    steps: the epoch (``on_train_epoch_start``/``end``, ``ModelPruning``'s epoch ends),
+    and the validation batches run so far (the validation hooks, where weight
+    averaging swaps); a step after either changed follows such hooks."""
+    return trainer.current_epoch, trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.started
+
+
 def _scheduler_sees_step(opt: FP16Optimizer) -> None:
     """torch's lr schedulers wrap the inner optimizer's ``step`` (configure_optimizers
     built them over it) and warn when it was never called; the fused step does not call
@@ -126,12 +172,22 @@ class MPFP16Precision(_Reports, Precision):
 
     - The model is converted as :func:`mpfp16.to_half` converts it (norm layers stay
       fp32; inputs of its ``forward`` are cast to 16 bits and outputs back to fp32),
-      on the strategy's device, before Lightning wraps it in DDP.
+      on the strategy's device, before Lightning wraps it in DDP. Every batch's
+      floating-point tensors are cast to 16 bits before its step, as ``"16-true"``
+      casts them (:meth:`convert_input`): a step that calls a submodule gets 16-bit
+      outputs from it; compute the loss in fp32 (``logits.float()``).
     - Backward scales the loss; the step unscales, skips on inf/NaN (on every rank),
       clips, steps and copies back, as ``FP16Optimizer.step()`` does. A skipped step
       counts as an optimizer step for ``global_step`` and the lr schedulers, as with
       ``"16-mixed"`` (torch.amp). ``last_step_skipped``, ``skipped_steps`` and
       ``loss_scale`` say what happened; :class:`LossScaleMonitor` logs the last two.
+      A ``training_step`` that returns None takes no step and leaves the scale alone.
+    - A write into the 16-bit weights by the hooks of an epoch's start or end or of a
+      validation run (a callback's pruning, an average copied in) becomes the masters'
+      value before the next step, as fp32 training keeps it
+      (:func:`_adopt_written_weights`, once after such hooks ran, not at every step);
+      an EMA swapped in and back changes nothing. A write in the hooks around each
+      batch is undone by the next step, as in mpfp16's own loop (docs/LIGHTNING.md).
     - ``gradient_clip_val`` clips the unscaled fp32 gradients: by norm inside the step
       (bit for bit ``clip_grad_norm_`` after ``unscale_()``), by value after
       ``unscale_()``.
@@ -164,6 +220,8 @@ class MPFP16Precision(_Reports, Precision):
         self.optimizer: FP16Optimizer | None = None  # made when fit() sets up
         self.last_step_skipped = False
         self._step_max_norm: float | None = None  # gradient clipping by norm asked for in this step
+        self._no_backward = False  # while this step's training_step returned None: nothing to unscale or step
+        self._hooks_seen: tuple | None = None  # _hooks_ran at the last step that adopted written weights
 
     # -------------------------------------------------------------- set-up
 
@@ -173,6 +231,14 @@ class MPFP16Precision(_Reports, Precision):
             _refuse_trainer(trainer, module)
             module.to(trainer.strategy.root_device)  # into flat buffers on the device, not before the move
         return to_half(module, self._options.dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        """The batch's floating-point tensors cast to the model's 16-bit dtype, as
+        Lightning's ``"16-true"`` casts them, before every training, validation, test
+        and prediction step: a step that calls a submodule (``self.net(x)``) gives it
+        the 16-bit input that ``self(x)`` would. That submodule's outputs are 16-bit;
+        only the converted LightningModule's own ``forward`` casts its outputs to fp32."""
+        return _cast_floating(data, self._options.dtype)
 
     def connect(self, model, optimizers: list, lr_schedulers: list):
         if not optimizers or optimizers == [self.optimizer]:  # evaluation; or after this plugin's own fit
@@ -205,10 +271,19 @@ class MPFP16Precision(_Reports, Precision):
         if kwargs:
             raise ValueError(f"FP16Optimizer.step() takes no arguments; got {', '.join(sorted(kwargs))}")
         closure_result = closure()  # training_step and backward (and zero_grad on the first micro-batch)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step, then the clipping
+        self._no_backward = closure_result is None and model.automatic_optimization  # training_step returned None
+        try:
+            self._after_closure(model, optimizer)  # on_before_optimizer_step, then the clipping
+        finally:
+            self._no_backward = False
         max_norm, self._step_max_norm = self._step_max_norm, None
         if closure_result is None and model.automatic_optimization:  # training_step returned None: no backward
+            self.last_step_skipped = True  # no step, no scale change (as torch.amp's "16-mixed" skips its scaler)
             return None
+        ran = _hooks_ran(model.trainer)
+        if ran != self._hooks_seen:  # the first step, or hooks that may write weights ran since the last
+            _adopt_written_weights(opt)
+            self._hooks_seen = ran
         base = opt.max_grad_norm
         opt.max_grad_norm = max_norm if max_norm is not None else base
         try:
@@ -226,6 +301,8 @@ class MPFP16Precision(_Reports, Precision):
         opt = self._fp16(optimizer)
         if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
             self._step_max_norm = float(clip_val)  # inside the step, on the unscaled fp32 gradients
+            return
+        if self._no_backward:  # training_step returned None: no gradients to clip, and no step follows
             return
         opt.unscale_()
         torch.nn.utils.clip_grad_value_(opt.master_params(), clip_val)
@@ -265,7 +342,11 @@ class MPFP16FabricPrecision(_Reports, FabricPrecision):
             fabric.backward(loss_fn(model(x), y))
             optimizer.step()                     # skipped on inf/NaN gradients
 
-    ``fabric.setup`` converts the model. Fabric shows a precision plugin the optimizer
+    ``fabric.setup`` converts the model; the floating-point arguments of a call to the
+    module it returned are cast to 16 bits and its outputs to fp32, as
+    :meth:`convert_input` and :meth:`convert_output` say. A write into the 16-bit
+    weights between steps becomes the masters' value at ``optimizer.step()``, as
+    under the Trainer plugin. Fabric shows a precision plugin the optimizer
     only when it steps, so the plugin wraps it at the first ``fabric.backward()``: it
     finds the optimizer that ``fabric.setup`` (or ``setup_optimizers``) returned over
     this model's parameters, wraps the torch optimizer inside it in an
@@ -300,6 +381,30 @@ class MPFP16FabricPrecision(_Reports, FabricPrecision):
         self._ddp_hooked = False  # accumulate_dtype: mpfp16's hook attached to Fabric's DDP module, if any
         self._arrived: dict | None = None  # an FP16Optimizer state being loaded through the inner optimizer
         self.last_step_skipped = False
+
+    def adopt_written_weights(self) -> None:
+        """Make what the loop wrote into the 16-bit weights since the last step the fp32
+        masters' value (pruning, an average copied in, a ``load_state_dict``), which the
+        next step would otherwise overwrite from the masters; a pass over every weight
+        and master, for the loop to call after such a write (a write swapped back before
+        the step needs none)."""
+        if self.optimizer is not None:
+            _adopt_written_weights(self.optimizer)
+
+    def convert_input(self, data: Any) -> Any:
+        """The floating-point tensors passed to a module that ``fabric.setup`` returned,
+        cast to the model's 16-bit dtype, as Lightning's ``"16-true"`` casts them. A
+        step method that Fabric sends through the module's ``forward`` (a
+        LightningModule's ``training_step`` under DDP) gets its batch cast too; one
+        called on it directly on one device does not, as under ``"16-true"``: the loop
+        casts that batch with this method (docs/LIGHTNING.md)."""
+        return _cast_floating(data, self._options.dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        """The floating-point tensors that module returns, cast to fp32 (as
+        :func:`mpfp16.to_half`'s hooks cast the converted model's outputs): the loss of
+        a ``training_step`` called through it is fp32."""
+        return _cast_floating(data, torch.float32)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if torch.cuda.is_available() and any(p.device.type == "cpu" for p in module.parameters()) and (
