@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpfp16.experiments import __main__ as cli
-from mpfp16.experiments import common, loss_scale, lost_updates, regularizer, underflow
+from mpfp16.experiments import common, loss_scale, lost_updates, memory, regularizer, underflow
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,7 @@ def test_every_experiment_writes_its_section_and_plot(tmp_path, capsys):
         assert text.count(f"<!-- experiment:{name} -->") == 1
         assert (out / png).stat().st_size > 1000
         assert f"](img/{png})" in text
+    assert text.count("<!-- experiment:memory -->") == 1
     assert cli.main(["underflow", "--quick", "--out", str(out), "--doc", str(doc)]) == 0
     assert doc.read_text().count("<!-- experiment:underflow -->") == 1  # replaced, not appended
     assert "done in" in capsys.readouterr().out
@@ -159,3 +160,19 @@ def test_without_lightning_the_experiment_runs_and_says_so(tmp_path, setup, monk
     assert "sixteen_true" not in result and result["overall_lost"] > 0
     assert "Lightning is not installed" in (tmp_path / "doc.md").read_text()
     assert capsys.readouterr().out.count("Lightning is not installed") == 1
+
+
+@pytest.mark.slow  # two workloads, two modes, fp16 on CPU
+def test_the_memory_experiment_measures_bytes_and_distance_per_mode(tmp_path):
+    """bf16 states hold 4 of AdamW's 8 state bytes per parameter and end near the fp32
+    states' weights; the fp32 mode is its own reference; the section holds both tables."""
+    doc = tmp_path / "MEMORY.md"
+    results = memory.run(quick=True, doc=str(doc))
+    for workload in ("cifar", "gpt"):
+        fp32, bf16 = results[workload]["fp32 states"], results[workload]["bf16 states, nearest"]
+        assert fp32["distance"] == 0.0 and 0 < bf16["distance"] < 1e-2
+        assert fp32["bytes"]["optimizer_state"] == pytest.approx(8.0, abs=0.05)
+        assert bf16["bytes"]["optimizer_state"] == pytest.approx(4.0, abs=0.05)
+        assert fp32["bytes"]["model_weights"] == bf16["bytes"]["model_weights"]
+    text = doc.read_text()
+    assert text.count("| bf16 states, nearest |") == 2 and "--quick: the modes" in text

@@ -3,7 +3,9 @@
 NAME: lost-updates (Micikevicius et al. §3.1), underflow (§3.2), regularizer (the
 no-master regularizer claim, several seeds), loss-scale (a dynamic loss-scale trace),
 accumulation (how far fp16 and fp32 sums of micro-batch gradients are from the exact
-sum; writes docs/ACCUMULATION.md unless --doc is given), or all. Each finishes in under
+sum; writes docs/ACCUMULATION.md unless --doc is given), memory (16-bit and torchao's
+low-bit optimizer states against fp32 ones: quality and bytes per parameter; writes
+docs/MEMORY.md unless --doc is given), or all. Each finishes in under
 about 10 minutes on a 2-core CPU.
 """
 
@@ -43,15 +45,17 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
-    from . import accumulation, common, loss_scale, lost_updates, regularizer, underflow
+    from . import accumulation, common, loss_scale, lost_updates, memory, regularizer, underflow
 
     setup = common.quick(common.Setup()) if args.quick else common.Setup()
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     for name in names:
         started = time.perf_counter()
-        doc = args.doc or (accumulation.DOC if name == "accumulation" else "docs/EXPERIMENTS.md")
+        doc = args.doc or {"accumulation": accumulation.DOC, "memory": memory.DOC}.get(name, "docs/EXPERIMENTS.md")
         if name == "accumulation":
             accumulation.run(args.quick, doc, models)
+        elif name == "memory":
+            memory.run(args.quick, doc, args.seed)
         elif name == "lost-updates":
             lost_updates.run(setup, args.seed, args.out, doc)
         elif name == "underflow":
@@ -61,7 +65,7 @@ def main(argv=None) -> int:
         else:
             loss_scale.run(setup, args.seed, args.out, doc)
         print(f"{name}: done in {time.perf_counter() - started:.0f}s; section written to {doc}"
-              + (f", plots in {args.out}" if name != "accumulation" else ""))
+              + (f", plots in {args.out}" if name not in ("accumulation", "memory") else ""))
     return 0
 
 
