@@ -67,6 +67,7 @@ import warnings
 import torch
 
 from ..train.gpt import GPT_SIZES, build_gpt, next_token_loss
+from .flags import list_of, sized_config
 
 PRECISIONS = ("mpfp16", "16-true", "32-true")
 OPTIMIZERS = ("sgd", "adamw")
@@ -430,9 +431,9 @@ def _mb(nbytes):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mpfp16.bench.lightning", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--precisions", type=_list_of(PRECISIONS), default=",".join(PRECISIONS),
+    p.add_argument("--precisions", type=list_of(PRECISIONS), default=",".join(PRECISIONS),
                    help=f"comma-separated, of {', '.join(PRECISIONS)} (default: all, in that order)")
-    p.add_argument("--processes", type=_list_of(("1", "2")), default="1,2",
+    p.add_argument("--processes", type=list_of(("1", "2")), default="1,2",
                    help="process counts: 1 (one device) and/or 2 (strategy='ddp', gloo) (default: 1,2)")
     p.add_argument("--accumulate-grad-batches", type=int, default=None,
                    help=f"the Trainer's accumulate_grad_batches (default: {DEFAULTS['accumulate_grad_batches']})")
@@ -464,27 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _list_of(choices):
-    def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in choices]
-        if not items or bad or len(set(items)) != len(items):
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of distinct {', '.join(choices)}; "
-                                             f"got {text!r}")
-        return items
-    return parse
-
 
 def parse_config(argv=None) -> tuple[dict, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    base = QUICK if args.quick else DEFAULTS
-    config = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in base.items()}
-    for name in ("seq_len", "batch_size", "accumulate_grad_batches", "steps", "rounds"):
-        if config[name] < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {config[name]}")
-    if config["warmup"] < 0:
-        parser.error(f"--warmup must be 0 or more, got {config['warmup']}")
+    config = sized_config(parser, args, QUICK, DEFAULTS, ("seq_len", "batch_size", "accumulate_grad_batches", "steps", "rounds"))
     positions = model_config(config["model"])["seq_len"]
     if config["seq_len"] > positions:
         parser.error(f"--seq-len {config['seq_len']}: the model has {positions} positions")

@@ -37,3 +37,4 @@ def time_call(fn, device: torch.device) -> float:
     with Timer(device) as t:
         fn()
     return t.seconds
+

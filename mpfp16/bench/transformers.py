@@ -63,6 +63,8 @@ import warnings
 
 import torch
 
+from .flags import list_of, sized_config
+
 METHODS = ("mpfp16", "fp16=True", "mpfp16-bf16", "bf16=True")
 BASELINE = {"mpfp16": "fp16=True", "mpfp16-bf16": "bf16=True"}
 MODELS = ("gpt2", "bert")
@@ -284,22 +286,12 @@ def table(rows: list[dict]) -> str:
 # ----------------------------------------------------------------- the command line
 
 
-def _list_of(choices):
-    def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in choices]
-        if not items or bad or len(set(items)) != len(items):
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of distinct {', '.join(choices)}; "
-                                             f"got {text!r}")
-        return items
-    return parse
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mpfp16.bench.transformers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=MODELS, default=None, help=f"gpt2 or bert (default: {DEFAULTS['model']})")
-    p.add_argument("--methods", type=_list_of(METHODS), default=",".join(METHODS),
+    p.add_argument("--methods", type=list_of(METHODS), default=",".join(METHODS),
                    help=f"comma-separated, of {', '.join(METHODS)} (default: all, in that order)")
     for name, what in (("layers", "transformer blocks"), ("width", "hidden size"), ("heads", "attention heads"),
                        ("vocab_size", "tokens in the vocabulary"), ("seq_len", "tokens per sample"),
@@ -325,13 +317,7 @@ def parse_config(argv=None) -> tuple[dict, argparse.Namespace]:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    base = QUICK if args.quick else DEFAULTS
-    config = {k: getattr(args, k) if getattr(args, k, None) is not None else v for k, v in base.items()}
-    for name in ("layers", "width", "heads", "vocab_size", "seq_len", "batch_size", "steps", "rounds"):
-        if config[name] < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {config[name]}")
-    if config["warmup"] < 0:
-        parser.error(f"--warmup must be 0 or more, got {config['warmup']}")
+    config = sized_config(parser, args, QUICK, DEFAULTS, ("layers", "width", "heads", "vocab_size", "seq_len", "batch_size", "steps", "rounds"))
     if config["width"] % config["heads"]:
         parser.error(f"--width {config['width']} is not a multiple of --heads {config['heads']}")
     default_optim = TrainingArguments.__dataclass_fields__["optim"].default

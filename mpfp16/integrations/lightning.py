@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..convert import to_half
 from ..optimizer import FP16Optimizer
-from ..options import check_options, make_scaler
+from ..options import check_front_end_options
 from ..parallel.ranks import is_main_process
 from ..parallel.ddp import attach
 from ..parallel.handles import handle_of
@@ -62,14 +62,9 @@ class _Options:
 
     def __init__(self, dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
                  allreduce_dtype) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-        check_options(master_weights=master_weights, rounding=rounding, fused=fused,
-                      accumulate_dtype=accumulate_dtype, dtypes={dtype})
-        make_scaler(loss_scale, dtype)  # refuses a bad loss_scale now
-        if allreduce_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"allreduce_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, "
-                             f"got {allreduce_dtype}")
+        check_front_end_options(dtype=dtype, master_weights=master_weights, loss_scale=loss_scale, rounding=rounding,
+                                accumulate_dtype=accumulate_dtype, fused=fused, rounding_seed=rounding_seed,
+                                allreduce_dtype=allreduce_dtype)
         self.dtype, self.master_weights, self.loss_scale, self.rounding = dtype, master_weights, loss_scale, rounding
         self.accumulate_dtype, self.fused, self.rounding_seed = accumulate_dtype, fused, rounding_seed
         self.allreduce_dtype = allreduce_dtype

@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..convert import to_half
 from ..optimizer import FP16Optimizer
-from ..options import check_options, make_scaler
+from ..options import check_front_end_options
 from ..parallel.ddp import attach
 from ..parallel.handles import handle_of
 from ..scaler import LossScaler
@@ -68,7 +68,6 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 
 __all__ = ["MPFP16Trainer", "MPFP16Options"]
 
-_DTYPES = (torch.float16, torch.bfloat16)
 # Optimizers that update each parameter inside the backward pass (their step() does
 # nothing), where FP16Optimizer steps the masters once, after it.
 _IN_BACKWARD = (OptimizerNames.LOMO.value, OptimizerNames.ADALOMO.value)
@@ -100,16 +99,9 @@ class MPFP16Options:
     def __init__(self, dtype: torch.dtype = torch.float16, master_weights: bool | str = True,
                  loss_scale: Any = "dynamic", rounding: str = "nearest", *, accumulate_dtype: torch.dtype | None = None,
                  fused: bool | None = None, rounding_seed: int = 0, allreduce_dtype: torch.dtype | None = None) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-        check_options(master_weights=master_weights, rounding=rounding, fused=fused,
-                      accumulate_dtype=accumulate_dtype, dtypes={dtype})
-        make_scaler(loss_scale, dtype)  # refuses a bad loss_scale now
-        if allreduce_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"allreduce_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, "
-                             f"got {allreduce_dtype}")
-        if not isinstance(rounding_seed, int) or isinstance(rounding_seed, bool):
-            raise TypeError(f"rounding_seed={rounding_seed!r} must be an int, not {type(rounding_seed).__name__}")
+        check_front_end_options(dtype=dtype, master_weights=master_weights, loss_scale=loss_scale, rounding=rounding,
+                                accumulate_dtype=accumulate_dtype, fused=fused, rounding_seed=rounding_seed,
+                                allreduce_dtype=allreduce_dtype)
         self.dtype, self.master_weights, self.loss_scale, self.rounding = dtype, master_weights, loss_scale, rounding
         self.accumulate_dtype, self.fused, self.rounding_seed = accumulate_dtype, fused, rounding_seed
         self.allreduce_dtype = allreduce_dtype
