@@ -113,7 +113,6 @@ def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def _adopt_written_weights(opt: FP16Optimizer) -> None:
     """Make a write into the 16-bit weights the masters' value, as fp32 training keeps
     a write into its weights.
@@ -339,9 +338,9 @@ class MPFP16FabricPrecision(_Reports, FabricPrecision):
 
     ``fabric.setup`` converts the model; the floating-point arguments of a call to the
     module it returned are cast to 16 bits and its outputs to fp32, as
-    :meth:`convert_input` and :meth:`convert_output` say. A write into the 16-bit
-    weights between steps becomes the masters' value at ``optimizer.step()``, as
-    under the Trainer plugin. Fabric shows a precision plugin the optimizer
+    :meth:`convert_input` and :meth:`convert_output` say. The next step overwrites the
+    16-bit weights from the masters: a loop that writes the weights and keeps them calls
+    :meth:`adopt_written_weights` after the write. Fabric shows a precision plugin the optimizer
     only when it steps, so the plugin wraps it at the first ``fabric.backward()``: it
     finds the optimizer that ``fabric.setup`` (or ``setup_optimizers``) returned over
     this model's parameters, wraps the torch optimizer inside it in an
