@@ -208,9 +208,7 @@ class FusedStep:
         if self._adopted_for != pattern:
             self._adopt(pattern)
         inv_scale = 1.0 if state.materialized else 1.0 / scale
-        self._state_noise = {} if self.state_rounding != "stochastic" else {
-            (gi, name): torch.rand(g.layout.total, generator=rng, device=g.device)
-            for gi, g in enumerate(self.groups) for name in self.state_dtypes}
+        self._state_noise, self._state_rng = {}, rng  # noise drawn as the kernels ask for it (_noise_of)
         for gi, g in enumerate(self.groups):
             for si, segment in enumerate(self._segments[gi]):
                 hyper = self.optimizer.param_groups[segment.group_index]
@@ -227,9 +225,22 @@ class FusedStep:
 
     def _noise_of(self, gi, segment, names) -> list:
         """The stochastic rounding noise of each of ``names``' 16-bit states over
-        ``segment`` (None where a state is rounded to nearest or fp32)."""
-        s = segment.range
-        return [self._state_noise[(gi, n)][s] if (gi, n) in self._state_noise else None for n in names]
+        ``segment`` (None where a state is rounded to nearest or fp32). A group's noise
+        for a state is drawn, over the whole group, when a kernel first steps that state
+        in this step: none for a state no kernel steps (``max_exp_avg_sq``, which the
+        fused step never keeps; SGD's momentum at ``momentum=0``)."""
+        if self.state_rounding != "stochastic":
+            return [None] * len(names)
+        out = []
+        for n in names:
+            if n not in self.state_dtypes:
+                out.append(None)
+                continue
+            if (gi, n) not in self._state_noise:
+                g = self.groups[gi]
+                self._state_noise[(gi, n)] = torch.rand(g.layout.total, generator=self._state_rng, device=g.device)
+            out.append(self._state_noise[(gi, n)][segment.range])
+        return out
 
     def _sgd(self, gi, g, segment, hyper, inv_scale, clip_coef, noise, materialized) -> None:
         from .kernels import compiled, scalar, sgd_update
