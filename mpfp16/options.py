@@ -13,7 +13,7 @@ from .errors import library_words
 from .rounding import ROUNDINGS
 from .scaler import DynamicLossScaler, LossScaler
 
-__all__ = ["check_options", "check_front_end_options", "check_types", "held_params", "make_scaler", "master_mode", "is_number", "state_dtypes_of",
+__all__ = ["check_options", "check_types", "held_params", "make_scaler", "master_mode", "is_number", "state_dtypes_of",
            "STATE_NAMES", "STATE_DTYPES", "STATE_ROUNDINGS", "MASTER_WEIGHTS",
            "ACCUMULATE_DTYPES"]
 
@@ -131,24 +131,6 @@ def check_options(*, master_weights: bool | str = True, rounding: str = "nearest
     if not reduce_overflow:
         raise ValueError(f"{say('reduce_overflow', False)} is not possible for {where}: each rank sees only its "
                          "own shards' inf/NaN, so the ranks would make different skip decisions")
-
-
-def check_front_end_options(*, dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
-                            allreduce_dtype) -> None:
-    """The options a front end that converts the model itself takes (the Lightning
-    plugins, MPFP16Trainer), checked when it is built, before any trainer runs: the
-    16-bit dtype it converts to, :func:`check_options`' rules, the scaler, the DDP hook's
-    wire dtype and the rounding seed; one line naming the option."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-    check_options(master_weights=master_weights, rounding=rounding, fused=fused, accumulate_dtype=accumulate_dtype,
-                  dtypes={dtype})
-    make_scaler(loss_scale, dtype)  # refuses a bad loss_scale now
-    if allreduce_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"allreduce_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, "
-                         f"got {allreduce_dtype}")
-    if not isinstance(rounding_seed, int) or isinstance(rounding_seed, bool):
-        raise TypeError(f"rounding_seed={rounding_seed!r} must be an int, not {type(rounding_seed).__name__}")
 
 
 def make_scaler(loss_scale, compute_dtype: torch.dtype) -> LossScaler:

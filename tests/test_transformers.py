@@ -23,20 +23,17 @@ from transformers import Trainer  # noqa: E402
 
 import dist_helpers  # noqa: E402
 from mpfp16 import DynamicLossScaler, FP16Optimizer  # noqa: E402
+from mpfp16.bench.transformers import one_thread  # noqa: E402
 from mpfp16.integrations.transformers import MPFP16Options, MPFP16Trainer  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """One intra-op thread: these models' matmuls are a few thousand elements, which a
-    second thread does not speed up; on a loaded 2-core machine it made the tests ten
-    times slower (each thread waiting on the other), at one thread they take a second."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    """One intra-op thread, as the benchmark runs (bench.transformers.one_thread): on a
+    loaded 2-core machine two made these tests ten times slower, at one they take a
+    second."""
+    with one_thread():
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _one_line(exc) -> str:

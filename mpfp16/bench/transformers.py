@@ -327,7 +327,10 @@ def parse_config(argv=None) -> tuple[dict, argparse.Namespace]:
 
 
 @contextlib.contextmanager
-def _one_thread():
+def one_thread():
+    """One intra-op thread while it lasts: these models' matmuls are a few thousand
+    elements, which a second thread does not speed up (on a loaded 2-core machine each
+    thread waited on the other)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -339,7 +342,7 @@ def _one_thread():
 def run(config: dict, log=print) -> list[dict]:
     """Every method, ``config["rounds"]`` times, alternating: the table's rows."""
     fits = {m: [] for m in config["methods"]}
-    with tempfile.TemporaryDirectory() as out, _one_thread():
+    with tempfile.TemporaryDirectory() as out, one_thread():
         for r, order in enumerate(orders(config["methods"], config["rounds"])):
             for method in order:
                 result = fit_once(config, method, os.path.join(out, f"{r}-{method}"))

@@ -31,10 +31,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..convert import to_half
 from ..optimizer import FP16Optimizer
-from ..options import check_front_end_options
 from ..parallel.ranks import is_main_process
 from ..parallel.ddp import attach
 from ..parallel.handles import handle_of
+from .front_end import FrontEndOptions
 
 try:
     from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -56,29 +56,15 @@ logger = logging.getLogger("mpfp16")
 _DTYPES = {torch.float16: "16-true", torch.bfloat16: "bf16-true"}  # Lightning's name for 16-bit weights
 
 
-class _Options:
+class _Options(FrontEndOptions):
     """The options both plugins take, checked when the plugin is built (before any
     trainer runs), and the FP16Optimizer they make from them."""
 
-    def __init__(self, dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
-                 allreduce_dtype) -> None:
-        check_front_end_options(dtype=dtype, master_weights=master_weights, loss_scale=loss_scale, rounding=rounding,
-                                accumulate_dtype=accumulate_dtype, fused=fused, rounding_seed=rounding_seed,
-                                allreduce_dtype=allreduce_dtype)
-        self.dtype, self.master_weights, self.loss_scale, self.rounding = dtype, master_weights, loss_scale, rounding
-        self.accumulate_dtype, self.fused, self.rounding_seed = accumulate_dtype, fused, rounding_seed
-        self.allreduce_dtype = allreduce_dtype
-
-    def build(self, inner: torch.optim.Optimizer, model: torch.nn.Module) -> FP16Optimizer:
+    def build(self, inner: torch.optim.Optimizer, model: torch.nn.Module, loss_scale=None) -> FP16Optimizer:
         if isinstance(inner, FP16Optimizer):
             raise ValueError("the optimizer is already an FP16Optimizer: give Lightning the torch optimizer, and the "
                              "plugin wraps it")
-        if isinstance(inner, torch.optim.LBFGS):
-            raise ValueError("LBFGS evaluates its closure many times per step; FP16Optimizer steps once per backward "
-                             "pass: use another optimizer")
-        return FP16Optimizer(inner, loss_scale=self.loss_scale, master_weights=self.master_weights, model=model,
-                             fused=self.fused, rounding=self.rounding, rounding_seed=self.rounding_seed,
-                             accumulate_dtype=self.accumulate_dtype)
+        return super().build(inner, model, loss_scale)
 
     def repr_args(self) -> str:
         return (f"dtype={self.dtype}, master_weights={self.master_weights!r}, loss_scale={self.loss_scale!r}, "

@@ -51,10 +51,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..convert import to_half
 from ..optimizer import FP16Optimizer
-from ..options import check_front_end_options
 from ..parallel.ddp import attach
 from ..parallel.handles import handle_of
 from ..scaler import LossScaler
+from .front_end import FrontEndOptions
 
 try:
     from accelerate import Accelerator
@@ -73,7 +73,7 @@ __all__ = ["MPFP16Trainer", "MPFP16Options"]
 _IN_BACKWARD = (OptimizerNames.LOMO.value, OptimizerNames.ADALOMO.value)
 
 
-class MPFP16Options:
+class MPFP16Options(FrontEndOptions):
     """mpfp16's options for :class:`MPFP16Trainer`, checked when they are built, before
     any Trainer is: FP16Optimizer's own rules refuse a bad combination in one line.
 
@@ -99,25 +99,17 @@ class MPFP16Options:
     def __init__(self, dtype: torch.dtype = torch.float16, master_weights: bool | str = True,
                  loss_scale: Any = "dynamic", rounding: str = "nearest", *, accumulate_dtype: torch.dtype | None = None,
                  fused: bool | None = None, rounding_seed: int = 0, allreduce_dtype: torch.dtype | None = None) -> None:
-        check_front_end_options(dtype=dtype, master_weights=master_weights, loss_scale=loss_scale, rounding=rounding,
-                                accumulate_dtype=accumulate_dtype, fused=fused, rounding_seed=rounding_seed,
-                                allreduce_dtype=allreduce_dtype)
-        self.dtype, self.master_weights, self.loss_scale, self.rounding = dtype, master_weights, loss_scale, rounding
-        self.accumulate_dtype, self.fused, self.rounding_seed = accumulate_dtype, fused, rounding_seed
-        self.allreduce_dtype = allreduce_dtype
+        super().__init__(dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
+                         allreduce_dtype)
 
-    def build(self, inner: torch.optim.Optimizer, model: torch.nn.Module) -> FP16Optimizer:
+    def build(self, inner: torch.optim.Optimizer, model: torch.nn.Module, loss_scale=None) -> FP16Optimizer:
         """The FP16Optimizer over ``inner``, the torch optimizer the Trainer made (or was
-        given) over ``model``'s parameters."""
-        if isinstance(inner, torch.optim.LBFGS):
-            raise ValueError("LBFGS evaluates its closure many times per step; FP16Optimizer steps once per backward "
-                             "pass: use another optimizer")
-        # A LossScaler given is where each FP16Optimizer starts: a Trainer builds one per
-        # model (model_init, hyperparameter search), and none must start from another's scale.
-        loss_scale = copy.deepcopy(self.loss_scale) if isinstance(self.loss_scale, LossScaler) else self.loss_scale
-        return FP16Optimizer(inner, loss_scale=loss_scale, master_weights=self.master_weights, model=model,
-                             fused=self.fused, rounding=self.rounding, rounding_seed=self.rounding_seed,
-                             accumulate_dtype=self.accumulate_dtype)
+        given) over ``model``'s parameters. A LossScaler given is where each
+        FP16Optimizer starts: a Trainer builds one per model (model_init, hyperparameter
+        search), and none must start from another's scale."""
+        if loss_scale is None and isinstance(self.loss_scale, LossScaler):
+            loss_scale = copy.deepcopy(self.loss_scale)
+        return super().build(inner, model, loss_scale)
 
     def __repr__(self) -> str:
         return (f"MPFP16Options(dtype={self.dtype}, master_weights={self.master_weights!r}, "
