@@ -137,7 +137,10 @@ def test_embedded_cifar_data_is_learnable(tmp_path, capsys):
     ["--precision", "fp16", "--no-master-weights", "--optimizer", "adamw", "--lr", "0.01"],
     ["--precision", "bf16"],
     ["--precision", "bf16", "--master-weights", "remainder", "--optimizer", "adamw", "--lr", "0.01"],
-], ids=["fp16-accum-fp32-sum-clip", "fp16-no-master-adamw", "bf16", "bf16-remainder-adamw"])
+    ["--precision", "fp16", "--optimizer", "adamw", "--lr", "0.01", "--state-dtype", "bf16", "--state-rounding",
+     "stochastic"],
+], ids=["fp16-accum-fp32-sum-clip", "fp16-no-master-adamw", "bf16", "bf16-remainder-adamw",
+        "fp16-adamw-bf16-states-stochastic"])
 def test_resume_mid_epoch_is_bit_identical(cifar_root, tmp_path, capsys, extra):
     """10 steps, a resume, 10 more == 20 straight steps (an epoch is 12 steps here, so
     the resume lands mid-epoch and the run crosses an epoch boundary after it)."""
@@ -149,6 +152,9 @@ def test_resume_mid_epoch_is_bit_identical(cifar_root, tmp_path, capsys, extra):
     assert mid["step"] == 10 and mid["epoch"] == 0 and mid["batches_done"] > 0  # mid-epoch
     assert mid["optimizer"]["master_mode"] == ("remainder" if "remainder" in extra else
                                                "none" if "--no-master-weights" in extra else "fp32")
+    if "--state-dtype" in extra:  # the states are saved in bf16, and the resume keeps them so
+        states = [s for s in mid["optimizer"]["optimizer"]["state"].values() if "exp_avg" in s]
+        assert states and all(s["exp_avg"].dtype == torch.bfloat16 for s in states)
     assert run_main(train_cifar.main, common + ["--max-steps", "20", "--checkpoint-dir", str(parts),
                                                 "--resume", "auto"], capsys)[0] == 0
     assert_same_final_state(straight / "last.pt", parts / "last.pt")
