@@ -90,4 +90,5 @@ def test_kernel_variants_benchmark_runs(tmp_path, capsys):
     assert by["torch fused AdamW (fp32)"]["ratio"] == 1.0 and all(r["median_ms"] > 0 for r in rows)
     assert by["Adam, no masters, 2 passes"]["bytes_per_param"] == 32 and by["AdamW, masters"]["bytes_per_param"] == 28
     assert by["native AdamW, masters"]["bytes_per_param"] == 28 and by["native check, 1 stream"]["median_ms"] > 0
+    assert by["native AdamW, masters, bf16 moments"]["bytes_per_param"] == 20
     assert "SIMD 256" in capsys.readouterr().out

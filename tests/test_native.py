@@ -125,6 +125,56 @@ def test_bf16_moments_are_the_fp32_step_rounded_once_bit_for_bit(m_dtype, v_dtyp
         assert not torch.equal(mine[2], m0)  # it stepped
 
 
+def _awkward_fp32(n: int, g: torch.Generator) -> torch.Tensor:
+    """fp32 values whose rounding to bf16 tells conversions apart: random bit patterns
+    (every exponent: zeros, denormals, infinities, NaNs of any payload and sign), exact
+    ties between two bf16 values with an even and an odd last bit, a bit either side of a
+    tie, and values that round up to infinity."""
+    bits = torch.randint(-2**31, 2**31, (n,), generator=g, dtype=torch.int64)
+    bf16_bits = torch.randint(0, 2**16, (n,), generator=g, dtype=torch.int64) << 16
+    low = torch.tensor([0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF])[torch.randint(0, 5, (n,), generator=g)]
+    ties = bf16_bits | low
+    mixed = torch.where(torch.rand(n, generator=g) < 0.5, bits, ties)
+    mixed[:4] = torch.tensor([0x7F7FFFFF, 0x7F7F8000, 0x00000001, 0x007FFFFF])  # up to inf; denormals
+    return ((mixed + 2**31) % 2**32 - 2**31).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.skipif(native.build_isa() != "AVX512_BF16", reason="the CPU has no AVX512-BF16")
+@pytest.mark.parametrize("offset", [0, 1], ids=["streamed-weights", "ordinary-weight-stores"])
+def test_the_bf16_conversion_instruction_gives_the_bits_of_to(offset):
+    """issue 39: with AVX512-BF16, bf16 values are stored with VCVTNE2PS2BF16, which
+    reads denormals as zero and quiets NaNs its own way; native.cpp's narrow takes
+    at::vec's conversion for the vectors that hold either. bf16 weights rounded from fp32
+    masters (a step of size 0 leaves each master as it was) show every rounding: each
+    is .to(torch.bfloat16)'s bits, and the build without the instruction gives the same
+    bits, NaNs among them. The moments keep a denormal exp_avg_sq as .to() does."""
+    g = torch.Generator().manual_seed(11)
+    n = 2 * (1 << 15) + 1037
+    masters = _awkward_fp32(n, g)
+    zero_step = {**_scalars(0.9, 1.0, 1.0), "neg_step_size": 0.0}
+    results = []
+    for library in (native.build("AVX512"), native.build("AVX512_BF16")):
+        weights = torch.empty(n + offset, dtype=BF16)[offset:]
+        weights.fill_(1.0)
+        state = [weights, masters.clone(), torch.zeros(n, dtype=BF16), torch.ones(n, dtype=BF16)]
+        native.adam_update(state[0], torch.zeros(n), *state[1:], library=library, **zero_step,
+                           has_weight_decay=False, decoupled=False, maximize=False, lerp_low=True)
+        results.append(state[0])
+    expected = masters.to(BF16)
+    finite = ~masters.isnan()
+    assert torch.equal(_bits(results[1])[finite], _bits(expected)[finite])
+    assert torch.equal(results[1].isnan(), masters.isnan())
+    assert torch.equal(_bits(results[1]), _bits(results[0]))  # NaNs too
+    # exp_avg_sq decaying through bf16's denormals (zero gradients): stored as .to() rounds
+    v0 = (torch.rand(n, generator=g) * 2e-38).to(BF16)
+    assert (v0.float().abs() < torch.finfo(torch.float32).tiny).sum() > n // 4
+    state = [torch.zeros(n, dtype=BF16), torch.zeros(n), torch.zeros(n, dtype=BF16), v0.clone()]
+    native.adam_update(state[0], torch.zeros(n), *state[1:], **_scalars(0.9, 1.0, 1.0), has_weight_decay=False,
+                       decoupled=False, maximize=False, lerp_low=True)
+    assert torch.equal(_bits(state[3]), _bits((v0.float() * BETA2).to(BF16)))
+    assert (state[3] != 0).sum() > n // 4
+
+
 def test_moments_of_another_dtype_are_refused_by_the_kernel():
     """fp16 moments (refused by FP16Optimizer: exp_avg_sq underflows) have no kernel:
     the library says so, it steps nothing."""
@@ -161,12 +211,14 @@ def test_streamed_and_ordinary_weight_stores_give_the_same_bits_at_any_alignment
 
 
 def test_every_vector_isa_this_cpu_runs_gives_the_same_bits():
-    """AVX2 steps exactly as AVX-512 does: the ISA changes the speed, never a bit. A CPU
-    with neither takes inductor's kernels (at::vec's portable fmadd rounds twice)."""
+    """AVX2 steps exactly as AVX-512 does, and AVX-512 with AVX512-BF16's conversion
+    where the CPU has it: the ISA changes the speed, never a bit, with fp32 moments and
+    bf16 ones. A CPU with neither takes inductor's kernels (at::vec's portable fmadd
+    rounds twice)."""
     if native.isa() not in native.ISA_FLAGS:
         assert not native.handles(torch.device("cpu"), torch.float16, torch.float16, "nearest")
         return
-    isas = ["AVX2", native.isa()]
+    isas = ["AVX2", native.isa(), native.build_isa()]
     g = torch.Generator().manual_seed(3)
     n = 2 * (1 << 15) + 1037
     grad = (torch.randn(n, generator=g) * 1024).half()
@@ -174,11 +226,12 @@ def test_every_vector_isa_this_cpu_runs_gives_the_same_bits():
     results = []
     for name in dict.fromkeys(isas):
         library = native.build(name)
-        state = [p0.half(), p0.clone(), torch.zeros(n), torch.zeros(n)]
-        for wd_mode, beta1 in (("decoupled", 0.9), ("coupled", 0.3)):
-            native.adam_update(*state[:1], grad, *state[1:], library=library, **_scalars(beta1, 0.5, 1 / 1024),
-                               has_weight_decay=True, decoupled=wd_mode == "decoupled", maximize=False,
-                               lerp_low=abs(1 - beta1) < 0.5)
+        state = [p0.half(), p0.clone(), torch.zeros(n), torch.zeros(n),
+                 p0.half(), p0.clone(), torch.zeros(n, dtype=BF16), torch.zeros(n, dtype=BF16)]
+        for (wd_mode, beta1), at in itertools.product((("decoupled", 0.9), ("coupled", 0.3)), (0, 4)):
+            native.adam_update(state[at], grad, *state[at + 1:at + 4], library=library,
+                               **_scalars(beta1, 0.5, 1 / 1024), has_weight_decay=True,
+                               decoupled=wd_mode == "decoupled", maximize=False, lerp_low=abs(1 - beta1) < 0.5)
         broken = grad.clone()
         broken[n - 3] = float("nan")
         results.append((state, native.nonfinite(grad, 1 / 1024, library), native.nonfinite(broken, 1.0, library)))

@@ -26,6 +26,10 @@ the variants of one kernel can be compared with nothing else in the way. Rows:
                          the 16-bit weights stored around the cache (non-temporal);
   ... ordinary weight stores  the same built with ordinary stores for the weights;
   ... AVX2               the same built for 256-bit AVX2 (on an AVX-512 machine);
+  native AdamW, masters, bf16 moments   the same with both moments in bf16 (20), as
+                         shipped: with AVX512-BF16's conversion where the CPU has it;
+  ... at::vec's bf16 conversion   the same built without that instruction (where the
+                         CPU has it): at::vec's integer rounding for every bf16 store;
   native AdamW, no masters / native Adam, no masters   (22 each), as shipped.
 
 Each inductor variant is compiled as the fused backend compiles it
@@ -80,11 +84,13 @@ def _variants(numel: int, device: torch.device) -> dict:
                 call()
         return call
 
-    def cpp(master_weights: bool, decoupled: bool, library=None):
+    bf16_moments = (exp_avg.bfloat16(), exp_avg_sq.bfloat16())
+
+    def cpp(master_weights: bool, decoupled: bool, library=None, moments=(exp_avg, exp_avg_sq)):
         hyper = dict(inv_scale=1 / 1024, clip_coef=1.0, weight_decay=1e-2, decay_factor=1 - 1e-5,
                      one_minus_beta1=0.1, beta2=0.999, one_minus_beta2=1e-3, bias_correction2_sqrt=0.03, eps=1e-8,
                      neg_step_size=-1e-3, has_weight_decay=True, decoupled=decoupled, maximize=False, lerp_low=True)
-        return lambda: native.adam_update(weights, grad, master if master_weights else None, exp_avg, exp_avg_sq,
+        return lambda: native.adam_update(weights, grad, master if master_weights else None, *moments,
                                           library=library, **hyper)
 
     one_stream = native.build(defines={"MPFP16_CHECK_STREAMS": 1})
@@ -97,6 +103,10 @@ def _variants(numel: int, device: torch.device) -> dict:
         cpp(True, True, native.build(defines={"MPFP16_STREAM_WEIGHTS": 0})), 28)
     if native.isa() == "AVX512":
         cpp_variants["native AdamW, masters, AVX2"] = (cpp(True, True, native.build("AVX2")), 28)
+    cpp_variants["native AdamW, masters, bf16 moments"] = (cpp(True, True, moments=bf16_moments), 20)
+    if native.build_isa() == "AVX512_BF16":
+        cpp_variants["... at::vec's bf16 conversion"] = (
+            cpp(True, True, native.build("AVX512"), moments=bf16_moments), 20)
     cpp_variants["native AdamW, no masters"] = (cpp(False, True), 22)
     cpp_variants["native Adam, no masters"] = (cpp(False, False), 22)
     moments = K.compiled(K.adam_moments, maximize=False, lerp_low=True)

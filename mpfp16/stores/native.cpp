@@ -49,9 +49,31 @@ inline void load<float>(const float* p, Vec& a, Vec& b) {
   a = Vec::loadu(p);
   b = Vec::loadu(p + Vec::size());
 }
+// a and b (2 vectors of fp32) rounded to nearest-even into one vector of T, by
+// at::vec's conversion, that of eager .to().
+template <typename T>
+inline at::vec::Vectorized<T> narrow(const Vec& a, const Vec& b) {
+  return at::vec::convert_from_float<T>(a, b);
+}
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// On a CPU with AVX512-BF16 (native.py then builds with -mavx512bf16), bf16 in one
+// instruction: VCVTNE2PS2BF16 rounds to nearest-even as at::vec's integer arithmetic
+// does, except that it reads a denormal input as zero and quiets a NaN its own way. A
+// pair of vectors holding either (one VFPCLASSPS each tells) takes at::vec's conversion,
+// so the bits are those of .to() for every input. Against at::vec's: docs/BENCHMARKS.md
+// (issue 39, "bf16 conversion").
+template <>
+inline at::vec::Vectorized<c10::BFloat16> narrow<c10::BFloat16>(const Vec& a, const Vec& b) {
+  constexpr int kOdd = 0x01 | 0x20 | 0x80;  // fpclass: quiet NaN, denormal, signalling NaN
+  if (__builtin_expect((_mm512_fpclass_ps_mask(a, kOdd) | _mm512_fpclass_ps_mask(b, kOdd)) != 0, 0)) {
+    return at::vec::convert_from_float<c10::BFloat16>(a, b);
+  }
+  return (__m512i)_mm512_cvtne2ps_pbh(b, a);  // b in the high half
+}
+#endif
 template <typename T>
 inline void store(T* p, const Vec& a, const Vec& b) {
-  at::vec::convert_from_float<T>(a, b).store(p);
+  narrow<T>(a, b).store(p);
 }
 template <>
 inline void store<float>(float* p, const Vec& a, const Vec& b) {
@@ -70,7 +92,7 @@ inline void store<float>(float* p, const Vec& a, const Vec& b) {
 template <typename T>
 inline void store_streaming(T* p, const Vec& a, const Vec& b) {
   static_assert(sizeof(T) == 2, "streaming stores are for 16-bit weights");
-  const auto v = at::vec::convert_from_float<T>(a, b);
+  const auto v = narrow<T>(a, b);
 #if defined(CPU_CAPABILITY_AVX512)
   _mm512_stream_si512(reinterpret_cast<__m512i*>(p), static_cast<__m512i>(v));
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -109,7 +131,7 @@ struct Adam {
   // The block of kBlock elements at element i; kStream: store the weights with
   // store_streaming.
   template <bool kStream>
-  inline void block(int64_t i) const {
+  __attribute__((always_inline)) inline void block(int64_t i) const {
     Vec g[2], p[2], m[2], v[2];
     if (fp32_grad) {
       load<float>(static_cast<const float*>(grad) + i, g[0], g[1]);
@@ -156,10 +178,15 @@ struct Adam {
   }
 
   // The blocks from element `begin` to `end`. Not inlined, so that the vector loop and
-  // the partial block share one copy of the block's code.
+  // the partial block share one copy of the block's code. The loop steps a local copy
+  // of this struct, whose scalars and pointers no store through the buffers can alias:
+  // the scalars' broadcasts and the flags' tests then leave the loop (stepping `this`,
+  // each block reloaded them, a call per block of 200 instructions: docs/BENCHMARKS.md,
+  // issue 39, "the block inlined").
   template <bool kStream = false>
   __attribute__((noinline)) void blocks(int64_t begin, int64_t end) const {
-    for (int64_t i = begin; i < end; i += kBlock) block<kStream>(i);
+    const Adam local = *this;
+    for (int64_t i = begin; i < end; i += kBlock) local.template block<kStream>(i);
   }
 
   // The partial block at element i: k < kBlock elements, stepped in zero-padded copies.

@@ -8,7 +8,8 @@ The library is built at first use, as inductor builds its kernels: with the C++
 compiler ``$CXX`` (else ``c++``; split as a shell splits it, so ``ccache g++`` or
 ``g++ -O2`` run that program with those arguments before the project's flags), torch's
 headers, the vector ISA torch's own CPU kernels dispatch to
-(``torch.backends.cpu.get_cpu_capability()``), and OpenMP, which resolves to the runtime
+(``torch.backends.cpu.get_cpu_capability()``; on AVX-512, with AVX512-BF16's conversion
+instruction too where the CPU has it: :func:`build_isa`), and OpenMP, which resolves to the runtime
 torch already loaded. It is kept under inductor's cache directory
 (``$TORCHINDUCTOR_CACHE_DIR``, else ``<tmp>/torchinductor_<user>``), in the folder
 ``mpfp16``, keyed by the source, the whole compiler command, the torch version and the
@@ -63,7 +64,7 @@ from ..errors import last_error_line
 
 logger = logging.getLogger("mpfp16")
 
-__all__ = ["handles", "handles_states", "isa", "build", "load", "adam_update", "nonfinite", "DTYPES", "SOURCE"]
+__all__ = ["handles", "handles_states", "isa", "build_isa", "build", "load", "adam_update", "nonfinite", "DTYPES", "SOURCE"]
 
 SOURCE = Path(__file__).with_name("native.cpp")
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -81,6 +82,9 @@ ISA_FLAGS = {
                "-mavx512bw", "-mfma", "-mf16c"],
     "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
+# AVX-512 with AVX512-BF16: the same code, but bf16 values stored with VCVTNE2PS2BF16 where
+# that gives .to()'s bits (native.cpp's narrow).
+ISA_FLAGS["AVX512_BF16"] = [*ISA_FLAGS["AVX512"], "-mavx512bf16"]
 
 # What a build's output says when the file system refused a write (the cache folder
 # full, over quota, read-only, or not the user's): the line that says so is the cause, not
@@ -117,6 +121,26 @@ def isa() -> str:
     multiply-add as a multiply and an add, two roundings where torch's vector kernels
     on these CPUs round once, so elsewhere the inductor kernels step."""
     return torch.backends.cpu.get_cpu_capability()
+
+
+def build_isa() -> str:
+    """The ISA the library is built for here: :func:`isa`, or ``AVX512_BF16`` where that
+    is AVX-512 and the CPU also has AVX512-BF16 (its ``avx512_bf16`` flag in
+    /proc/cpuinfo). The flag is part of the cache key, so a library built with it is
+    never loaded by a CPU without it."""
+    name = isa()
+    return "AVX512_BF16" if name == "AVX512" and "avx512_bf16" in _cpu_flags() else name
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (none where it does not)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
 
 
 def _compiler() -> list[str]:
@@ -265,12 +289,12 @@ def _open(path: Path, built: bool) -> ctypes.CDLL:
 
 
 def build(isa_name: str | None = None, defines: dict | None = None) -> ctypes.CDLL:
-    """The library built for ``isa_name`` (default :func:`isa`) with the preprocessor
+    """The library built for ``isa_name`` (default :func:`build_isa`) with the preprocessor
     ``defines`` (native.cpp's tuning constants; ``mpfp16.bench.kernels`` builds
     variants), from the cache when it is there and whole, else built (module
     docstring)."""
     global BUILD_S
-    isa_name, defines = isa_name or isa(), defines or {}
+    isa_name, defines = isa_name or build_isa(), defines or {}
     if isa_name not in ISA_FLAGS:
         raise ValueError(f"native kernels are built for {' or '.join(ISA_FLAGS)}, not {isa_name}")
     command = _command(SOURCE, Path("native.so"), isa_name, defines)
