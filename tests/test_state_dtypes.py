@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 import mpfp16
 import mpfp16.stores.state_dtypes as SD
@@ -118,6 +119,41 @@ def test_the_unfused_step_widens_a_bounded_chunk_at_a_time_with_the_same_bits(mo
     train_mpfp16(model, opt, batches(3))
     assert len(widened) >= 3 * 2 and max(widened) <= 200 + 128  # several chunks a step; one at most a tensor over
     for p, q in zip(whole_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_chunked_step_runs_the_inner_optimizers_step_hooks_once_with_every_gradient(monkeypatch):
+    """The unfused step calls the inner optimizer once per chunk; its step hooks (the
+    optimizer's own and torch's global ones) still run once per step, the pre-hooks
+    before any chunk is stepped and the post-hooks after the last, each seeing every
+    gradient, as one unchunked call shows them. The states come out as without hooks."""
+    monkeypatch.setattr(SD, "CHUNK_NUMEL", 200)
+    plain_model, plain_opt, _ = _pair("adamw", state_dtype=BF16, fused=False)
+    train_mpfp16(plain_model, plain_opt, batches(2))
+    model, opt, _ = _pair("adamw", state_dtype=BF16, fused=False)
+    inner, seen = opt.optimizer, []
+    masters = [p for group in inner.param_groups for p in group["params"]]
+
+    def spy(kind):
+        def hook(optimizer, args, kwargs):
+            if optimizer is inner:
+                steps = [int(optimizer.state[p]["step"]) if p in optimizer.state else 0 for p in masters]
+                seen.append((kind, sum(p.grad is not None for p in masters), min(steps), max(steps)))
+        return hook
+
+    handles = [inner.register_step_pre_hook(spy("pre")), inner.register_step_post_hook(spy("post")),
+               torch_optimizer.register_optimizer_step_pre_hook(spy("global pre")),
+               torch_optimizer.register_optimizer_step_post_hook(spy("global post"))]
+    try:
+        train_mpfp16(model, opt, batches(2))
+    finally:
+        for handle in handles:
+            handle.remove()
+    n = len(masters)
+    assert seen == [("global pre", n, 0, 0), ("pre", n, 0, 0), ("post", n, 1, 1), ("global post", n, 1, 1),
+                    ("global pre", n, 1, 1), ("pre", n, 1, 1), ("post", n, 2, 2), ("global post", n, 2, 2)]
+    assert not torch_optimizer._global_optimizer_pre_hooks and not inner._optimizer_step_post_hooks
+    for p, q in zip(plain_model.parameters(), model.parameters()):
         assert torch.equal(p, q)
 
 

@@ -9,10 +9,13 @@ generator, whose state the state_dict keeps). The fused kernels read and write t
 unfused path) works in fp32 alone, so :class:`StateKeeper` widens the states of a
 bounded chunk of parameters at a time, steps that chunk, and rounds them back: the
 fp32 copies of at most :data:`CHUNK_NUMEL` parameters' states exist at once, whatever
-the model's size, so the saving holds at the step's peak, up to that bound.
+the model's size, so the saving holds at the step's peak, up to that bound. The inner
+optimizer's step hooks still run once a step, and see every gradient.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -54,17 +57,28 @@ class StateKeeper:
         states widened to fp32, the chunk stepped with the others' gradients hidden,
         its new states rounded back."""
         live = [m for m, t in zip(stepped, trainable) if t and m.grad is not None]
-        for chunk in _chunks(live, CHUNK_NUMEL):
+        chunks = _chunks(live, CHUNK_NUMEL)
+        for i, chunk in enumerate(chunks):
             members = {id(m) for m in chunk}
             hidden = [(m, m.grad) for m in stepped if id(m) not in members and m.grad is not None]
-            for m, _ in hidden:
-                m.grad = None
-            self._widen(chunk)
-            try:
-                self.optimizer.step()
-            finally:
+
+            def before(chunk=chunk, hidden=hidden):
+                for m, _ in hidden:
+                    m.grad = None
+                self._widen(chunk)
+
+            def after(hidden=hidden):
                 for m, grad in hidden:
                     m.grad = grad
+
+            if len(chunks) == 1:
+                before()
+                try:
+                    self.optimizer.step()
+                finally:
+                    after()
+            else:
+                _step_with_hooks_once(self.optimizer, i == 0, i == len(chunks) - 1, before, after)
             self._narrow(chunk, self.rounding, rng)
 
     def _widen(self, params: list[torch.Tensor]) -> None:
@@ -92,6 +106,38 @@ class StateKeeper:
         state its parameter's dtype, fp32): round the states to their dtypes, to
         nearest. Returns whether any state was not of its dtype yet."""
         return self._narrow(params, "nearest", None)
+
+
+def _step_with_hooks_once(optimizer: torch.optim.Optimizer, first: bool, last: bool, before, after) -> None:
+    """One of the inner optimizer's ``step()`` calls of a step taken in chunks, its step
+    hooks run as for the one call an unchunked step makes: the pre-hooks (torch's global
+    ones, then the optimizer's) at the first chunk only, the post-hooks at the last only.
+    ``before()`` hides the other chunks' gradients after the pre-hooks ran, so that those
+    see every gradient, as a whole step shows them; ``after()`` restores them before the
+    post-hooks run, and whatever the step raised."""
+    from torch.optim import optimizer as module  # the global hooks are this module's
+
+    pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    global_pre, global_post = module._global_optimizer_pre_hooks, module._global_optimizer_post_hooks
+    restored = False
+
+    def restore(*_):
+        nonlocal restored
+        if not restored:
+            restored = True
+            after()
+
+    optimizer._optimizer_step_pre_hooks = OrderedDict([*(pre.items() if first else ()),
+                                                       ("mpfp16-chunk", lambda *_: before())])
+    optimizer._optimizer_step_post_hooks = OrderedDict([("mpfp16-chunk", restore), *(post.items() if last else ())])
+    module._global_optimizer_pre_hooks = global_pre if first else OrderedDict()
+    module._global_optimizer_post_hooks = global_post if last else OrderedDict()
+    try:
+        optimizer.step()
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
+        module._global_optimizer_pre_hooks, module._global_optimizer_post_hooks = global_pre, global_post
+        restore()
 
 
 def _chunks(params: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
