@@ -95,7 +95,8 @@ OPTIMIZERS = {
 
 def plugin_kwargs(mode: dict) -> dict:
     """The plugin's options for a test mode, less the scaler."""
-    return {k: mode[k] for k in ("dtype", "master_weights", "rounding", "accumulate_dtype") if k in mode}
+    return {k: mode[k] for k in ("dtype", "master_weights", "rounding", "accumulate_dtype", "state_dtype",
+                                 "state_rounding") if k in mode}
 
 
 def optimizer_kwargs(mode: dict) -> dict:

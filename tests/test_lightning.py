@@ -30,6 +30,8 @@ MODES = {
     "fp16-clip-value": {"clip": 0.05, "clip_algorithm": "value"},
     "fp16-clip-norm-adamw-skips": {"optimizer": "adamw", "clip": 0.5, "inf_batches": (4,)},
     "fp16-skips": {"init_scale": 2.0 ** 24, "inf_batches": (9,), "optimizer": "adamw"},
+    "fp16-adamw-bf16-states-stochastic": {"optimizer": "adamw", "state_dtype": torch.bfloat16,
+                                          "state_rounding": "stochastic"},
 }
 
 
@@ -52,11 +54,14 @@ def test_trainer_is_the_own_loop_bit_for_bit(name):
     assert lit.net[1].weight.dtype == torch.float32  # LayerNorm stays fp32, as to_half keeps it
     if "init_scale" in mode:
         assert stepped.count(False) == plugin.skipped_steps > 1
+    if "state_dtype" in mode:  # the plugin's option reaches the FP16Optimizer it builds
+        states = plugin.optimizer.optimizer.state.values()
+        assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.bfloat16 for s in states)
 
 
 @pytest.mark.parametrize("name", ["fp16-masters-sgd", "bf16-masters-adamw", "fp16-no-masters-kahan-adamw",
                                   "fp16-accumulate-4", "fp16-accumulate-4-fp32-sums", "fp16-skips",
-                                  "fp16-clip-norm-adamw-skips", "fp16-clip-value"])
+                                  "fp16-clip-norm-adamw-skips", "fp16-clip-value", "fp16-adamw-bf16-states-stochastic"])
 def test_fabric_is_the_own_loop_bit_for_bit(name):
     """Accumulation runs under fabric.no_backward_sync, as Fabric's docs write it (on one
     device it is a no-op); clipping is fabric.clip_gradients, by norm (max_norm=) or by
@@ -242,7 +247,9 @@ def test_options_are_refused_when_the_plugin_is_built():
                               ({"loss_scale": "auto"}, "loss_scale must be"),
                               ({"dtype": torch.bfloat16, "loss_scale": 128.0}, "over a model that computes in bfloat16"),
                               ({"accumulate_dtype": torch.float16}, "accumulate_dtype"),
-                              ({"dtype": torch.float16, "master_weights": "remainder"}, "bf16")):
+                              ({"dtype": torch.float16, "master_weights": "remainder"}, "bf16"),
+                              ({"state_dtype": torch.float16}, "fp16 cannot hold optimizer states"),
+                              ({"state_rounding": "stochastic"}, "every state is fp32")):
             with pytest.raises(ValueError) as exc:
                 plugin(**kwargs)
             assert words in _one_line(exc)

@@ -48,6 +48,7 @@ GPT2_MODES = {
     "fp16": {},
     "fp16-fp32-sums": {"accumulate_dtype": torch.float32},
     "bf16-no-masters-stochastic": {"dtype": torch.bfloat16, "master_weights": False, "rounding": "stochastic"},
+    "fp16-bf16-moments-fp32-exp-avg-sq": {"state_dtype": torch.bfloat16, "state_dtypes": {"exp_avg_sq": torch.float32}},
 }
 
 
@@ -76,6 +77,9 @@ def test_gpt2_is_the_own_loop_bit_for_bit(name, tmp_path):
     assert trainer.model.transformer.ln_f.weight.dtype == torch.float32  # norm layers stay fp32
     assert [len(g["params"]) for g in trainer.fp16_optimizer.param_groups] == [len(g["params"]) for g in
                                                                               own["opt"].param_groups]
+    states = list(trainer.fp16_optimizer.optimizer.state.values())
+    assert states and all(s["exp_avg"].dtype == (options.state_dtype or torch.float32)
+                          and s["exp_avg_sq"].dtype == torch.float32 for s in states)
 
 
 BERT_MODES = {
@@ -227,6 +231,8 @@ def test_an_fp16_optimizer_given_to_the_trainer_is_refused(tmp_path):
     ({"dtype": torch.bfloat16, "loss_scale": 1024.0}, "bf16 has fp32's exponent range"),
     ({"accumulate_dtype": torch.float16}, "must be None (the model's 16-bit dtype) or torch.float32"),
     ({"allreduce_dtype": torch.int8}, "allreduce_dtype must be None"),
+    ({"state_dtype": torch.float16}, "fp16 cannot hold optimizer states"),
+    ({"state_dtypes": {"exp_avg": torch.int8}}, "a state is kept in torch.float32 or torch.bfloat16"),
 ])
 def test_options_are_refused_when_built(kwargs, message):
     with pytest.raises((ValueError, TypeError)) as exc:

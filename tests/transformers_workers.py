@@ -205,7 +205,8 @@ def FP16Optimizer(torch_opt, options: MPFP16Options, max_grad_norm, model):  # n
     return mpfp16.FP16Optimizer(torch_opt, loss_scale=loss_scale, master_weights=options.master_weights,
                                 max_grad_norm=max_grad_norm, track_grad_norm=True, model=model, fused=options.fused,
                                 rounding=options.rounding, rounding_seed=options.rounding_seed,
-                                accumulate_dtype=options.accumulate_dtype)
+                                accumulate_dtype=options.accumulate_dtype, state_dtype=options.state_dtype,
+                                state_dtypes=options.state_dtypes, state_rounding=options.state_rounding)
 
 
 def _all_sum(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..optimizer import FP16Optimizer
-from ..options import check_options, make_scaler
+from ..options import check_options, make_scaler, state_dtypes_of
 
 __all__ = ["FrontEndOptions"]
 
@@ -17,11 +17,13 @@ ALLREDUCE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
 
 class FrontEndOptions:
     """The 16-bit dtype the front end converts the model to, FP16Optimizer's options
-    (:func:`mpfp16.options.check_options`' rules, the scaler), the DDP hook's wire dtype
-    and the rounding seed; a bad one is refused in one line naming it."""
+    (:func:`mpfp16.options.check_options`' rules, the scaler, the optimizer states'
+    dtypes), the DDP hook's wire dtype and the rounding seed; a bad one is refused in one
+    line naming it (the states' dtypes against the inner optimizer's class when the
+    trainer has made it)."""
 
     def __init__(self, dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
-                 allreduce_dtype) -> None:
+                 allreduce_dtype, *, state_dtype=None, state_dtypes=None, state_rounding="nearest") -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         check_options(master_weights=master_weights, rounding=rounding, fused=fused, accumulate_dtype=accumulate_dtype,
@@ -35,6 +37,8 @@ class FrontEndOptions:
         self.dtype, self.master_weights, self.loss_scale, self.rounding = dtype, master_weights, loss_scale, rounding
         self.accumulate_dtype, self.fused, self.rounding_seed = accumulate_dtype, fused, rounding_seed
         self.allreduce_dtype = allreduce_dtype
+        state_dtypes_of(None, state_dtype, state_dtypes, state_rounding)  # refuses a bad one now
+        self.state_dtype, self.state_dtypes, self.state_rounding = state_dtype, state_dtypes, state_rounding
 
     def build(self, inner: torch.optim.Optimizer, model: torch.nn.Module, loss_scale=None) -> FP16Optimizer:
         """The FP16Optimizer over ``inner``, the torch optimizer the trainer made over
@@ -45,4 +49,6 @@ class FrontEndOptions:
                              "pass: use another optimizer")
         return FP16Optimizer(inner, loss_scale=self.loss_scale if loss_scale is None else loss_scale,
                              master_weights=self.master_weights, model=model, fused=self.fused, rounding=self.rounding,
-                             rounding_seed=self.rounding_seed, accumulate_dtype=self.accumulate_dtype)
+                             rounding_seed=self.rounding_seed, accumulate_dtype=self.accumulate_dtype,
+                             state_dtype=self.state_dtype, state_dtypes=self.state_dtypes,
+                             state_rounding=self.state_rounding)

@@ -186,16 +186,20 @@ class MPFP16Precision(_Reports, Precision):
     the user's.
 
     Args: ``dtype`` (torch.float16 or torch.bfloat16), ``master_weights``,
-    ``loss_scale``, ``rounding``, ``accumulate_dtype``, ``fused``, ``rounding_seed``: as
+    ``loss_scale``, ``rounding``, ``accumulate_dtype``, ``fused``, ``rounding_seed``,
+    ``state_dtype``, ``state_dtypes``, ``state_rounding``: as
     :class:`mpfp16.FP16Optimizer` takes them; ``allreduce_dtype``: as
     :func:`mpfp16.distributed.wrap` takes it.
     """
 
     def __init__(self, dtype: torch.dtype = torch.float16, master_weights: bool | str = True,
                  loss_scale: Any = "dynamic", rounding: str = "nearest", *, accumulate_dtype: torch.dtype | None = None,
-                 fused: bool | None = None, rounding_seed: int = 0, allreduce_dtype: torch.dtype | None = None) -> None:
+                 fused: bool | None = None, rounding_seed: int = 0, allreduce_dtype: torch.dtype | None = None,
+                 state_dtype: torch.dtype | None = None, state_dtypes: dict | None = None,
+                 state_rounding: str = "nearest") -> None:
         self._options = _Options(dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
-                                 allreduce_dtype)
+                                 allreduce_dtype, state_dtype=state_dtype, state_dtypes=state_dtypes,
+                                 state_rounding=state_rounding)
         self.precision = _DTYPES[dtype]
         self.optimizer: FP16Optimizer | None = None  # made when fit() sets up
         self.last_step_skipped = False
@@ -352,9 +356,11 @@ class MPFP16FabricPrecision(_Reports, FabricPrecision):
 
     def __init__(self, dtype: torch.dtype = torch.float16, master_weights: bool | str = True,
                  loss_scale: Any = "dynamic", rounding: str = "nearest", *, accumulate_dtype: torch.dtype | None = None,
-                 fused: bool | None = None, rounding_seed: int = 0) -> None:
+                 fused: bool | None = None, rounding_seed: int = 0, state_dtype: torch.dtype | None = None,
+                 state_dtypes: dict | None = None, state_rounding: str = "nearest") -> None:
         self._options = _Options(dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
-                                 None)
+                                 None, state_dtype=state_dtype, state_dtypes=state_dtypes,
+                                 state_rounding=state_rounding)
         self.precision = _DTYPES[dtype]
         self.optimizer: FP16Optimizer | None = None  # made at the first fabric.backward()
         self._modules: list[weakref.ref] = []

@@ -94,13 +94,18 @@ class MPFP16Options(FrontEndOptions):
         rounding_seed: the seed of stochastic rounding.
         allreduce_dtype: under DDP, the dtype on the wire of mpfp16's hook (``None``:
             the gradients' own).
+        state_dtype, state_dtypes, state_rounding: the optimizer states' dtypes and
+            their rounding, :class:`mpfp16.FP16Optimizer`'s options (``None``: fp32).
     """
 
     def __init__(self, dtype: torch.dtype = torch.float16, master_weights: bool | str = True,
                  loss_scale: Any = "dynamic", rounding: str = "nearest", *, accumulate_dtype: torch.dtype | None = None,
-                 fused: bool | None = None, rounding_seed: int = 0, allreduce_dtype: torch.dtype | None = None) -> None:
+                 fused: bool | None = None, rounding_seed: int = 0, allreduce_dtype: torch.dtype | None = None,
+                 state_dtype: torch.dtype | None = None, state_dtypes: dict | None = None,
+                 state_rounding: str = "nearest") -> None:
         super().__init__(dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
-                         allreduce_dtype)
+                         allreduce_dtype, state_dtype=state_dtype, state_dtypes=state_dtypes,
+                         state_rounding=state_rounding)
 
     def build(self, inner: torch.optim.Optimizer, model: torch.nn.Module, loss_scale=None) -> FP16Optimizer:
         """The FP16Optimizer over ``inner``, the torch optimizer the Trainer made (or was
@@ -115,7 +120,8 @@ class MPFP16Options(FrontEndOptions):
         return (f"MPFP16Options(dtype={self.dtype}, master_weights={self.master_weights!r}, "
                 f"loss_scale={self.loss_scale!r}, rounding={self.rounding!r}, "
                 f"accumulate_dtype={self.accumulate_dtype}, fused={self.fused!r}, "
-                f"allreduce_dtype={self.allreduce_dtype})")
+                f"allreduce_dtype={self.allreduce_dtype}, state_dtype={self.state_dtype}, "
+                f"state_dtypes={self.state_dtypes!r}, state_rounding={self.state_rounding!r})")
 
 
 class _AcceleratedFP16Optimizer(AcceleratedOptimizer):
