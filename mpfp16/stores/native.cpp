@@ -9,7 +9,8 @@
 // the same order, in fp32. The build passes -ffp-contract=off, so that the compiler
 // never fuses a multiply and an add that torch rounds twice. 16-bit values are
 // widened exactly and rounded to nearest-even with at::vec's conversions, those of
-// eager .to(); the square root and the division are IEEE, correctly rounded.
+// eager .to() (bf16 with AVX512-BF16's instruction where it gives the same bits:
+// narrow, below); the square root and the division are IEEE, correctly rounded.
 //
 // exp_avg and exp_avg_sq are each fp32 or bf16 (FP16Optimizer's state_dtypes). A bf16
 // moment is widened exactly, the step computed from the fp32 values as for fp32 moments
