@@ -56,7 +56,7 @@ from .parallel.ranks import any_rank, get_world_size, is_main_process
 from .scaler import LossScaler, LossScaleStuckError
 from .state_format import (STATE_FORMAT, check_state_dict, dtype_name, keyed_by_index, keyed_by_parameter,
                            state_dtypes_changed, upgrade_state_dict)
-from .step_state import Phase, StepGuard, check_groups, group_params
+from .step_state import Phase, StepGuard, check_groups, check_inner_hooks, group_params
 from .stores import ParamStore, build_store, store_type
 
 __all__ = ["FP16Optimizer"]
@@ -359,6 +359,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         gradients are finite, the same on every rank; then call
         :meth:`step_with_ready_grads` or :meth:`skip_step`."""
         self._check_groups()
+        check_inner_hooks(self.optimizer, self.store.fused)
         state = self._guard.state
         if state.phase is Phase.UNSCALED:
             self._guard.check_unscaled()

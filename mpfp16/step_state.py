@@ -287,3 +287,23 @@ def check_groups(groups: list[dict], shared: list[dict], held: list[tuple[int, .
         "steps only the parameters it was built over (others have no fp32 master, and their gradients are still "
         "loss-scaled); build the inner optimizer with every group first, then wrap it (a layer to unfreeze "
         "later can be in it from the start, with requires_grad=False)")
+
+
+def check_inner_hooks(optimizer: torch.optim.Optimizer, fused: bool) -> None:
+    """Refuse, in one line, step hooks registered on the inner optimizer itself
+    (``inner.register_step_pre_hook`` / ``register_step_post_hook``) where the fused step
+    runs: it computes the inner optimizer's update in its kernels and never calls its
+    ``step()``, so they would never run. The unfused step calls it once a step, and runs
+    them. Every rank runs the same check over the same hooks, so every rank refuses at
+    the same call, before anything is stepped."""
+    if not fused:
+        return
+    kinds = [kind for kind, hooks in (("pre", optimizer._optimizer_step_pre_hooks),
+                                      ("post", optimizer._optimizer_step_post_hooks)) if hooks]
+    if kinds:
+        name = type(optimizer).__name__
+        raise RuntimeError(
+            f"a step {kinds[0]}-hook is registered on the inner {name} ({name}.register_step_{kinds[0]}_hook), and "
+            f"the fused step computes its update without calling {name}.step(), so the hook would never run: "
+            "register it on the FP16Optimizer, whose step() runs it once a step, or pass fused=False")
+

@@ -656,6 +656,32 @@ def test_groups_changed_through_the_inner_optimizer_are_refused_before_anything_
     assert not opt.state and opt.iteration == 0
 
 
+@pytest.mark.parametrize("kind", ["pre", "post"])
+def test_a_step_hook_on_the_inner_optimizer_runs_unfused_and_is_refused_fused(kind):
+    """The fused step computes the inner optimizer's update without calling its step():
+    a hook registered on the inner optimizer never ran there, in silence. It is refused
+    in one line before anything moves; unfused, it runs once a step; on the
+    FP16Optimizer, it runs once a step either way."""
+    for fused in (False, True):
+        model = mpfp16.to_half(tiny_mlp(0))
+        opt = mpfp16.FP16Optimizer(make_inner("adamw", model.parameters()), loss_scale=64.0, fused=fused)
+        calls, own = [], []
+        getattr(opt, f"register_step_{kind}_hook")(lambda *_: own.append(1))
+        handle = getattr(opt.optimizer, f"register_step_{kind}_hook")(lambda *_: calls.append(1))
+        if not fused:
+            assert all(train_mpfp16(model, opt, batches(2))) and len(calls) == len(own) == 2
+            continue
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match=rf"^a step {kind}-hook is registered on the inner AdamW .*never run: "
+                                               r"register it on the FP16Optimizer.*or pass fused=False$") as info:
+            train_mpfp16(model, opt, batches(1))
+        assert "\n" not in str(info.value) and not calls
+        assert all(torch.equal(x, y) for x, y in zip(before, model.parameters())) and opt.iteration == 0
+        handle.remove()
+        # the FP16Optimizer's own pre-hook ran before the refused call too, as torch runs pre-hooks
+        assert all(train_mpfp16(model, opt, batches(2))) and len(own) == 2 + (kind == "pre")
+
+
 def test_groups_reloaded_through_the_wrapper_and_lr_changes_are_not_group_changes():
     model = mpfp16.to_half(tiny_mlp(0))
     opt = mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), loss_scale=64.0)
