@@ -67,7 +67,7 @@ def first_steps(model: str, optimizer: str, threads: int) -> dict:
         kernels.compiled = original
         torch.set_num_threads(before)
     if native.BUILD_S > 0:
-        compiles.append({"kernel": "native.cpp", "flags": {"isa": native.isa()}, "s": native.BUILD_S})
+        compiles.append({"kernel": "native.cpp", "flags": {"isa": native.build_isa()}, "s": native.BUILD_S})
     return {"first_step_s": seconds[0], "second_step_s": seconds[1], "compiles": compiles}
 
 

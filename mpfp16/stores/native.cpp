@@ -61,8 +61,8 @@ inline at::vec::Vectorized<T> narrow(const Vec& a, const Vec& b) {
 // instruction: VCVTNE2PS2BF16 rounds to nearest-even as at::vec's integer arithmetic
 // does, except that it reads a denormal input as zero and quiets a NaN its own way. A
 // pair of vectors holding either (one VFPCLASSPS each tells) takes at::vec's conversion,
-// so the bits are those of .to() for every input. Against at::vec's: docs/BENCHMARKS.md
-// (issue 39, "bf16 conversion").
+// so the bits are those of .to() for every input. Against at::vec's: docs/BENCHMARKS.md,
+// "The kernel's bf16 conversion and its loop".
 template <>
 inline at::vec::Vectorized<c10::BFloat16> narrow<c10::BFloat16>(const Vec& a, const Vec& b) {
   constexpr int kOdd = 0x01 | 0x20 | 0x80;  // fpclass: quiet NaN, denormal, signalling NaN
@@ -183,7 +183,7 @@ struct Adam {
   // of this struct, whose scalars and pointers no store through the buffers can alias:
   // the scalars' broadcasts and the flags' tests then leave the loop (stepping `this`,
   // each block reloaded them, a call per block of 200 instructions: docs/BENCHMARKS.md,
-  // issue 39, "the block inlined").
+  // "The kernel's bf16 conversion and its loop").
   template <bool kStream = false>
   __attribute__((noinline)) void blocks(int64_t begin, int64_t end) const {
     const Adam local = *this;

@@ -64,7 +64,8 @@ from ..errors import last_error_line
 
 logger = logging.getLogger("mpfp16")
 
-__all__ = ["handles", "handles_states", "isa", "build_isa", "build", "load", "adam_update", "nonfinite", "DTYPES", "SOURCE"]
+__all__ = ["handles", "handles_states", "isa", "build_isa", "build", "load", "adam_update", "nonfinite", "DTYPES",
+           "SOURCE"]
 
 SOURCE = Path(__file__).with_name("native.cpp")
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
