@@ -91,4 +91,21 @@ def test_kernel_variants_benchmark_runs(tmp_path, capsys):
     assert by["Adam, no masters, 2 passes"]["bytes_per_param"] == 32 and by["AdamW, masters"]["bytes_per_param"] == 28
     assert by["native AdamW, masters"]["bytes_per_param"] == 28 and by["native check, 1 stream"]["median_ms"] > 0
     assert by["native AdamW, masters, bf16 moments"]["bytes_per_param"] == 20
-    assert "SIMD 256" in capsys.readouterr().out
+    assert by["torch read-only pass (fp32 sum)"]["bytes_per_param"] == 4
+    limits = json.loads(out.read_text())["results"][0]["bound"]
+    ms = {name: r["median_ms"] for name, r in by.items()}
+    assert limits["measured"] == pytest.approx(
+        (ms["native check"] + ms["native AdamW, masters, bf16 moments"]) / ms["torch fused AdamW (fp32)"])
+    printed = capsys.readouterr().out
+    assert "SIMD 256" in printed and f"measured {limits['measured']:.2f}" in printed
+
+
+def test_kernel_bound_moves_the_check_at_each_bandwidth():
+    from mpfp16.bench import kernels as variants
+
+    # one element; seconds: torch's AdamW moves 28 B in 28 s (1 B/s), the read-only pass 4 B in 8 s (0.5 B/s)
+    medians = {variants.TORCH: 28.0, variants.CHECK: 3.0, variants.KERNEL: 20.0, variants.READ: 8.0}
+    assert variants.bound(medians, 1) == {"measured": 23 / 28, "check": 3 / 28, "read_only_floor": 24 / 28,
+                                          "mixed_floor": 22 / 28}
+    del medians[variants.READ]
+    assert variants.bound(medians, 1) is None

@@ -30,7 +30,18 @@ the variants of one kernel can be compared with nothing else in the way. Rows:
                          shipped: with AVX512-BF16's conversion where the CPU has it;
   ... at::vec's bf16 conversion   the same built without that instruction (where the
                          CPU has it): at::vec's integer rounding for every bf16 store;
-  native AdamW, no masters / native Adam, no masters   (22 each), as shipped.
+  native AdamW, no masters / native Adam, no masters   (22 each), as shipped;
+  torch read-only pass   ``torch.sum`` over an fp32 buffer (4): what a pass that only
+                         reads gets of this machine's bandwidth, the yardstick of the
+                         overflow check, which only reads.
+
+After each table, **the bound** of the step with fp32 masters and bf16 moments (the
+fused step's two passes: the native check, then the native kernel): the two measured
+alone and summed, then the same sum with the check's 2 bytes moved at the read-only
+pass's GB/s (the floor a separate check allows here) and at torch's fused AdamW's
+(the floor if reading alone were as fast as reading and writing), each over torch's
+fused AdamW. The check must finish before anything is written (a skipped step leaves
+every state as it was), so the two passes add up.
 
 Each inductor variant is compiled as the fused backend compiles it
 (``kernels.compiled``: examples of one size class, fp16 casts kept exact); each native
@@ -85,6 +96,7 @@ def _variants(numel: int, device: torch.device) -> dict:
         return call
 
     bf16_moments = (exp_avg.bfloat16(), exp_avg_sq.bfloat16())
+    reads = torch.rand(numel, generator=g).to(device)
 
     def cpp(master_weights: bool, decoupled: bool, library=None, moments=(exp_avg, exp_avg_sq)):
         hyper = dict(inv_scale=1 / 1024, clip_coef=1.0, weight_decay=1e-2, decay_factor=1 - 1e-5,
@@ -126,7 +138,27 @@ def _variants(numel: int, device: torch.device) -> dict:
             moments(weights, grad, exp_avg, exp_avg_sq, inv, clip, wd, b1, b2, ob2),
             apply(weights, exp_avg, exp_avg_sq, None, None, bc2, eps, nss)), 32),
         **cpp_variants,
+        "torch read-only pass (fp32 sum)": (lambda: reads.sum(), 4),
     }
+
+
+TORCH, CHECK, KERNEL, READ = ("torch fused AdamW (fp32)", "native check", "native AdamW, masters, bf16 moments",
+                               "torch read-only pass (fp32 sum)")
+
+
+def bound(medians: dict[str, float], numel: int) -> dict[str, float] | None:
+    """The step with fp32 masters and bf16 moments as its two passes, each over torch's
+    fused AdamW (module docstring): ``measured`` (the check and the kernel, each timed
+    alone), ``check`` (its share alone), ``read_only_floor`` and ``mixed_floor`` (the
+    kernel as measured, the check's 2 bytes per parameter at the read-only pass's GB/s,
+    and at torch's fused AdamW's); None where a row is missing (no native kernels)."""
+    if not all(name in medians for name in (TORCH, CHECK, KERNEL, READ)):
+        return None
+    ref, kernel = medians[TORCH], medians[KERNEL]
+    read_gbs, mixed_gbs = 4 * numel / medians[READ], 28 * numel / ref  # bytes per second
+    return {"measured": (medians[CHECK] + kernel) / ref, "check": medians[CHECK] / ref,
+            "read_only_floor": (kernel + 2 * numel / read_gbs) / ref,
+            "mixed_floor": (kernel + 2 * numel / mixed_gbs) / ref}
 
 
 def main(argv=None) -> int:
@@ -153,7 +185,7 @@ def main(argv=None) -> int:
             variants = _variants(args.numel, device)
             times = compare({name: (None, fn) for name, (fn, _) in variants.items()}, args.rounds, args.warmup,
                             device)
-            ref = statistics.median(times["torch fused AdamW (fp32)"])
+            ref = statistics.median(times[TORCH])
             print(f"\n## {n} thread{'s' if n > 1 else ''}")
             print(f"{'variant':<40}{'ms':>9}{'vs torch':>10}{'B/param':>9}{'GB/s':>8}")
             rows = []
@@ -162,7 +194,13 @@ def main(argv=None) -> int:
                 rows.append({"variant": name, "median_ms": t * 1e3, "ratio": t / ref, "bytes_per_param": moved,
                              "gb_per_s": moved * args.numel / t / 1e9})
                 print(f"{name:<40}{t * 1e3:>9.2f}{t / ref:>10.2f}{moved:>9}{moved * args.numel / t / 1e9:>8.1f}")
-            results.append({"threads": n, "rows": rows})
+            limits = bound({name: statistics.median(ts) for name, ts in times.items()}, args.numel)
+            if limits is not None:
+                print(f"the bound, masters and bf16 moments (check + kernel, over torch's fused AdamW): "
+                      f"measured {limits['measured']:.2f} (the check {limits['check']:.2f}); with the check "
+                      f"at the read-only pass's GB/s {limits['read_only_floor']:.2f}, "
+                      f"at torch AdamW's {limits['mixed_floor']:.2f}")
+            results.append({"threads": n, "rows": rows, "bound": limits})
     finally:
         torch.set_num_threads(before)
     if args.json:
