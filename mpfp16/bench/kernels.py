@@ -155,10 +155,10 @@ def bound(medians: dict[str, float], numel: int) -> dict[str, float] | None:
     if not all(name in medians for name in (TORCH, CHECK, KERNEL, READ)):
         return None
     ref, kernel = medians[TORCH], medians[KERNEL]
-    read_gbs, mixed_gbs = 4 * numel / medians[READ], 28 * numel / ref  # bytes per second
+    read_rate, mixed_rate = 4 * numel / medians[READ], 28 * numel / ref  # bytes per second
     return {"measured": (medians[CHECK] + kernel) / ref, "check": medians[CHECK] / ref,
-            "read_only_floor": (kernel + 2 * numel / read_gbs) / ref,
-            "mixed_floor": (kernel + 2 * numel / mixed_gbs) / ref}
+            "read_only_floor": (kernel + 2 * numel / read_rate) / ref,
+            "mixed_floor": (kernel + 2 * numel / mixed_rate) / ref}
 
 
 def main(argv=None) -> int:
