@@ -103,9 +103,10 @@ def test_kernel_variants_benchmark_runs(tmp_path, capsys):
 def test_kernel_bound_moves_the_check_at_each_bandwidth():
     from mpfp16.bench import kernels as variants
 
-    # one element; seconds: torch's AdamW moves 28 B in 28 s (1 B/s), the read-only pass 4 B in 8 s (0.5 B/s)
+    # seconds per parameter: torch's AdamW moves 28 B in 28 s (1 B/s), the read-only pass 4 B in 8 s (0.5 B/s)
     medians = {variants.TORCH: 28.0, variants.CHECK: 3.0, variants.KERNEL: 20.0, variants.READ: 8.0}
-    assert variants.bound(medians, 1) == {"measured": 23 / 28, "check": 3 / 28, "read_only_floor": 24 / 28,
-                                          "mixed_floor": 22 / 28}
+    moved = {variants.TORCH: 28, variants.CHECK: 2, variants.KERNEL: 20, variants.READ: 4}
+    assert variants.bound(medians, moved) == {"measured": 23 / 28, "check": 3 / 28, "read_only_floor": 24 / 28,
+                                              "mixed_floor": 22 / 28}
     del medians[variants.READ]
-    assert variants.bound(medians, 1) is None
+    assert variants.bound(medians, moved) is None

@@ -63,6 +63,11 @@ import torch
 from .step import _thread_counts, compare, cpu_model
 
 
+# the rows the bound reads (bound())
+TORCH, CHECK, KERNEL, READ = ("torch fused AdamW (fp32)", "native check", "native AdamW, masters, bf16 moments",
+                               "torch read-only pass (fp32 sum)")
+
+
 def _variants(numel: int, device: torch.device) -> dict:
     import torch._inductor.config
 
@@ -107,7 +112,7 @@ def _variants(numel: int, device: torch.device) -> dict:
 
     one_stream = native.build(defines={"MPFP16_CHECK_STREAMS": 1})
     cpp_variants = {
-        "native check": (lambda: native.nonfinite(grad, 1 / 1024), 2),
+        CHECK: (lambda: native.nonfinite(grad, 1 / 1024), 2),
         "native check, 1 stream": (lambda: native.nonfinite(grad, 1 / 1024, library=one_stream), 2),
         "native AdamW, masters": (cpp(True, True), 28),
     }
@@ -115,7 +120,7 @@ def _variants(numel: int, device: torch.device) -> dict:
         cpp(True, True, native.build(defines={"MPFP16_STREAM_WEIGHTS": 0})), 28)
     if native.isa() == "AVX512":
         cpp_variants["native AdamW, masters, AVX2"] = (cpp(True, True, native.build("AVX2")), 28)
-    cpp_variants["native AdamW, masters, bf16 moments"] = (cpp(True, True, moments=bf16_moments), 20)
+    cpp_variants[KERNEL] = (cpp(True, True, moments=bf16_moments), 20)
     if native.build_isa() == "AVX512_BF16":
         cpp_variants["... at::vec's bf16 conversion"] = (
             cpp(True, True, native.build("AVX512"), moments=bf16_moments), 20)
@@ -126,7 +131,7 @@ def _variants(numel: int, device: torch.device) -> dict:
     check = K.compiled(K.grad_stats, with_norm=False)
     ref = [[master.clone()], [grad.float()], [exp_avg.clone()], [exp_avg_sq.clone()], [], [torch.tensor(1.0)]]
     return {
-        "torch fused AdamW (fp32)": (lambda: torch._fused_adamw_(
+        TORCH: (lambda: torch._fused_adamw_(
             *ref, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=1e-2, eps=1e-8, amsgrad=False, maximize=False), 28),
         "check (grad_stats)": (lambda: check(grad, inv), 2),
         "AdamW, masters": (adam(True, True, True), 28),
@@ -138,27 +143,26 @@ def _variants(numel: int, device: torch.device) -> dict:
             moments(weights, grad, exp_avg, exp_avg_sq, inv, clip, wd, b1, b2, ob2),
             apply(weights, exp_avg, exp_avg_sq, None, None, bc2, eps, nss)), 32),
         **cpp_variants,
-        "torch read-only pass (fp32 sum)": (lambda: reads.sum(), 4),
+        READ: (lambda: reads.sum(), 4),
     }
 
 
-TORCH, CHECK, KERNEL, READ = ("torch fused AdamW (fp32)", "native check", "native AdamW, masters, bf16 moments",
-                               "torch read-only pass (fp32 sum)")
-
-
-def bound(medians: dict[str, float], numel: int) -> dict[str, float] | None:
+def bound(medians: dict[str, float], moved: dict[str, int]) -> dict[str, float] | None:
     """The step with fp32 masters and bf16 moments as its two passes, each over torch's
     fused AdamW (module docstring): ``measured`` (the check and the kernel, each timed
     alone), ``check`` (its share alone), ``read_only_floor`` and ``mixed_floor`` (the
-    kernel as measured, the check's 2 bytes per parameter at the read-only pass's GB/s,
-    and at torch's fused AdamW's); None where a row is missing (no native kernels)."""
+    kernel as measured, the check's bytes at the read-only pass's rate, and at torch's
+    fused AdamW's). ``medians``: seconds per row; ``moved``: each row's bytes per
+    parameter. None where a row is missing (no native kernels)."""
     if not all(name in medians for name in (TORCH, CHECK, KERNEL, READ)):
         return None
     ref, kernel = medians[TORCH], medians[KERNEL]
-    read_rate, mixed_rate = 4 * numel / medians[READ], 28 * numel / ref  # bytes per second
+
+    def at_rate_of(row: str) -> float:  # seconds for the check's bytes, moved at that row's rate
+        return medians[row] * moved[CHECK] / moved[row]
+
     return {"measured": (medians[CHECK] + kernel) / ref, "check": medians[CHECK] / ref,
-            "read_only_floor": (kernel + 2 * numel / read_rate) / ref,
-            "mixed_floor": (kernel + 2 * numel / mixed_rate) / ref}
+            "read_only_floor": (kernel + at_rate_of(READ)) / ref, "mixed_floor": (kernel + at_rate_of(TORCH)) / ref}
 
 
 def main(argv=None) -> int:
@@ -185,16 +189,18 @@ def main(argv=None) -> int:
             variants = _variants(args.numel, device)
             times = compare({name: (None, fn) for name, (fn, _) in variants.items()}, args.rounds, args.warmup,
                             device)
-            ref = statistics.median(times[TORCH])
+            medians = {name: statistics.median(ts) for name, ts in times.items()}
+            moved = {name: bytes_per_param for name, (_, bytes_per_param) in variants.items()}
+            ref = medians[TORCH]
             print(f"\n## {n} thread{'s' if n > 1 else ''}")
             print(f"{'variant':<40}{'ms':>9}{'vs torch':>10}{'B/param':>9}{'GB/s':>8}")
             rows = []
-            for name, ts in times.items():
-                t, moved = statistics.median(ts), variants[name][1]
-                rows.append({"variant": name, "median_ms": t * 1e3, "ratio": t / ref, "bytes_per_param": moved,
-                             "gb_per_s": moved * args.numel / t / 1e9})
-                print(f"{name:<40}{t * 1e3:>9.2f}{t / ref:>10.2f}{moved:>9}{moved * args.numel / t / 1e9:>8.1f}")
-            limits = bound({name: statistics.median(ts) for name, ts in times.items()}, args.numel)
+            for name, t in medians.items():
+                gbs = moved[name] * args.numel / t / 1e9
+                rows.append({"variant": name, "median_ms": t * 1e3, "ratio": t / ref, "bytes_per_param": moved[name],
+                             "gb_per_s": gbs})
+                print(f"{name:<40}{t * 1e3:>9.2f}{t / ref:>10.2f}{moved[name]:>9}{gbs:>8.1f}")
+            limits = bound(medians, moved)
             if limits is not None:
                 print(f"the bound, masters and bf16 moments (check + kernel, over torch's fused AdamW): "
                       f"measured {limits['measured']:.2f} (the check {limits['check']:.2f}); with the check "
