@@ -1,4 +1,5 @@
-"""Errors with a known cause, and how to say one in a line. The scripts print each as one line, with no traceback:
+"""Errors with a known cause, and how to say one in a line (and the words for an option
+and a dtype that such lines use). The scripts print each as one line, with no traceback:
 the user's to fix (:class:`UserError` and its kinds) with exit status 2, the others
 with exit status 1."""
 
@@ -28,6 +29,11 @@ def one_line(exc: BaseException) -> str:
         return escape_breaks(text) or type(exc).__name__
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def dtype_name(dtype) -> str | None:
+    """A dtype as mpfp16 writes it, in messages and in what it saves: ``"float16"``."""
+    return None if dtype is None else str(dtype).replace("torch.", "")
 
 
 def library_words(name: str, value) -> str:

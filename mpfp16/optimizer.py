@@ -54,10 +54,11 @@ from .overflow import OVERFLOW_REPORTED, describe_overflow, gather_report, with_
 from .parallel import accumulation
 from .parallel.ranks import any_rank, get_world_size, is_main_process
 from .scaler import LossScaler, LossScaleStuckError
-from .state_format import (STATE_FORMAT, check_state_dict, dtype_name, keyed_by_index, keyed_by_parameter,
-                           state_dtypes_changed, upgrade_state_dict)
+from .errors import dtype_name
+from .state_format import (STATE_FORMAT, check_state_dict, keyed_by_index, keyed_by_parameter, state_dtypes_changed,
+                           upgrade_state_dict)
 from .step_state import Phase, StepGuard, check_groups, check_inner_hooks, group_params
-from .stores import ParamStore, build_store, store_type
+from .stores import ParamStore, StoreOptions, build_store, store_type
 
 __all__ = ["FP16Optimizer"]
 
@@ -150,13 +151,10 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         kind = store_type(params)
         check_options(master_weights=master_weights, rounding=rounding, max_grad_norm=max_grad_norm, fused=fused,
-                      sharded=kind.kind == "sharded", reduce_overflow=reduce_overflow,
-                      accumulate_dtype=accumulate_dtype, dtypes={p.dtype for p in params})
-        refusal = kind.refusal(process_group=process_group, model=model)
-        if refusal:
-            raise ValueError(refusal)
-        self.state_dtypes = state_dtypes_of(type(optimizer).__name__, state_dtype, state_dtypes, state_rounding,
-                                            sharded=kind.kind == "sharded")  # the states kept in 16 bits, by name
+                      reduce_overflow=reduce_overflow, accumulate_dtype=accumulate_dtype,
+                      dtypes={p.dtype for p in params}, store=kind)
+        self.state_dtypes = state_dtypes_of(optimizer, state_dtype, state_dtypes, state_rounding,
+                                            store=kind)  # the states kept in 16 bits, by name
         self.state_rounding = state_rounding
         self.rounding = rounding
         self.master_weights = bool(master_weights)  # "remainder" keeps masters too (held otherwise): True
@@ -169,17 +167,21 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.iteration = 0  # optimizer steps attempted, skipped ones included
         self._last_grad_norm: torch.Tensor | None = None
         self._last_overflow: list[dict] = []
-        self.store: ParamStore = build_store(
-            optimizer, params, model=model, master_weights="remainder" if self.master_mode == "remainder" else
-            self.master_weights, rounding=rounding, accumulate=accumulate_dtype is not None, fused=fused,
-            state_dtypes=self.state_dtypes, state_rounding=state_rounding)
-        # The ranks that agree on a skip: those the store reduces its norm over, if it
-        # reduces one (a sharded model's mesh), else the caller's group.
-        self.process_group = self.store.group if self.store.group is not None else process_group
         names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
         self._names = [names.get(id(p)) for p in params] if model is not None else None
         self._keys = (list(self._names) if self._names is not None and None not in self._names
                       else [str(i) for i in range(len(params))])  # the state_dict's keys
+        self._shapes = [list(p.shape) for p in params]
+        self._labels = [name if name is not None else f"param {i} {shape}"  # last_overflow's names
+                        for i, (name, shape) in enumerate(zip(self._names or [None] * len(params), self._shapes))]
+        self.store: ParamStore = build_store(optimizer, params, StoreOptions(
+            master_weights="remainder" if self.master_mode == "remainder" else self.master_weights,
+            rounding=rounding, accumulate=accumulate_dtype is not None, fused=fused, state_dtypes=self.state_dtypes,
+            state_rounding=state_rounding, model=model, process_group=process_group,
+            reduce_overflow=reduce_overflow, labels=tuple(self._labels)))
+        # The ranks that agree on a skip: those the store reduces its norm over, if it
+        # reduces one (a sharded model's mesh), else the caller's group.
+        self.process_group = self.store.group if self.store.group is not None else process_group
         self.scaler = make_scaler(loss_scale, self.store.compute_dtype)
         self._rounding_rng = torch.Generator(device=self.store.device)
         self._rounding_rng.manual_seed(rounding_seed)
@@ -188,10 +190,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         to_master = {id(p): m for p, m in zip(self.store.params, self.store.stepped)}
         for group in optimizer.param_groups:  # in place: LBFGS keeps a reference to its group's list
             group["params"][:] = [to_master.get(id(p), p) for p in group["params"]]
-        self._shapes = [list(p.shape) for p in params]
-        self._labels = [name if name is not None else f"param {i} {shape}"  # last_overflow's names
-                        for i, (name, shape) in enumerate(zip(self._names or [None] * len(params), self._shapes))]
-        self._dtypes = self.store.saved_dtypes()
+        self._dtypes = self.store.dtypes
 
         # torch.optim.Optimizer's own set-up (hooks, the step patch schedulers rely on),
         # over the inner optimizer's groups; then share its param_groups and state, so
@@ -203,7 +202,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         self._share_inner_state()
         self._guard = StepGuard(self.store.params, self.store.hooks_gradients)
         if self.store.accumulates:  # the DDP hooks find the sums by parameter, and tell the guard they carried them
-            accumulation.register(self.store.sum_views(), self._guard)
+            accumulation.register(self.store.sums, self._guard)
 
     def _share_inner_state(self) -> None:
         self.param_groups = self.optimizer.param_groups
@@ -274,21 +273,18 @@ class FP16Optimizer(torch.optim.Optimizer):
         sums and zero them."""
         scale = self.scaler.scale
         scaled_loss = loss.float() if scale == 1.0 else loss.float() * scale
-        state = self._guard.begin_backward(scale, loss)
-        if self.accumulate_dtype is not None and not state.sums_open:  # the first backward of the step
-            self.store.open_sums()
-            state.sums_open = True
+        first = self._guard.begin_backward(scale, loss, sums=self.accumulate_dtype is not None)
         try:
             scaled_loss.backward(**kwargs)
         finally:
             self._guard.end_backward()
         if self.accumulate_dtype is not None:
-            self.store.accumulate()
+            self.store.accumulate(first)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient and start a new step: flat ones in place, one fill per
         buffer, whatever ``set_to_none`` says; per tensor, as it says; shards dropped."""
-        self.store.zero_grad(set_to_none)
+        self.store.zero(set_to_none)
         self._guard.new_step()
 
     @torch.no_grad()
@@ -307,20 +303,24 @@ class FP16Optimizer(torch.optim.Optimizer):
         if self._guard.state.phase is Phase.UNSCALED:
             self._guard.check_unscaled()
             return
-        self._guard.unscaled(self._unscale(materialize=True), materialized=True)
+        self._guard.unscaled(self._unscale(materialize=True))
 
-    def _unscale(self, materialize: bool) -> torch.Tensor:
-        """Phases 1 and 2: check ready, compile the fused kernels if this is their first
-        step (agreed across ranks), unscale; [found_inf]."""
-        self.store.check_ready()
+    def _check(self, materialize: bool) -> None:
+        """Phase 1: the store's check (every parameter in place, the inner optimizer's
+        state one it can step, the fused kernels this step needs built, agreed across
+        ranks), then the order of calls (a backward reached the parameters, through
+        ``backward()``)."""
+        present = self.store.check(fp32_grads=materialize, with_norm=self._wants_norm, group=self.process_group,
+                                   agree=self.reduce_overflow)
         self._guard.check_ready(
-            present=self.store.gradients_present(), no_gradient=self.store.no_gradient_message(),
-            scale=self.scaler.scale, accumulates=self.accumulate_dtype is not None,
+            present=present, no_gradient=self.store.no_gradient, scale=self.scaler.scale,
+            accumulates=self.accumulate_dtype is not None,
             needs_carry=self.store.accumulates and self.reduce_overflow and get_world_size(self.process_group) > 1)
-        self.store.prepare(fp32_grads=materialize, with_norm=self._wants_norm, group=self.process_group,
-                           agree=self.reduce_overflow)
-        state = self._guard.state
-        return self.store.unscale(state, self._scale_of(state), materialize,
+
+    def _unscale(self, materialize: bool):
+        """Phases 1 and 2: check, then unscale; what the store found (``Checked``)."""
+        self._check(materialize)
+        return self.store.unscale(self._scale_of(self._guard.state), materialize=materialize,
                                   with_norm=self._wants_norm and not materialize)
 
     def _scale_of(self, state) -> float:
@@ -332,7 +332,7 @@ class FP16Optimizer(torch.optim.Optimizer):
     def copy_masters_to_model(self) -> None:
         """The copy-back phase alone, for code that steps the inner optimizer itself (a
         closure-driven LBFGS, mpfp16.compat.apex): the fp32 masters into the model."""
-        self.store.copy_masters_to_model()
+        self.store.copy_back()
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:
@@ -363,19 +363,20 @@ class FP16Optimizer(torch.optim.Optimizer):
         state = self._guard.state
         if state.phase is Phase.UNSCALED:
             self._guard.check_unscaled()
-            found_inf = state.found_inf
+            self._check(materialize=state.checked.materialized)  # the state may have changed since unscale_()
         else:
-            found_inf = self._unscale(materialize=False)
+            self._guard.unscaled(self._unscale(materialize=False), in_step=True)
+        found_inf = state.checked.found_inf
         # The flag is max-reduced over the group and read: the step's one host sync.
         # After DDP's allreduce the gradients already agree; this makes the decision
         # agree whatever happened to them since.
         overflow = any_rank(found_inf, group=self.process_group) if self.reduce_overflow else bool(found_inf[0].item())
-        state.finite = not overflow
+        self._guard.agreed(not overflow)
         if overflow:
             self.report_overflow(before_unscale=False)
         elif self._last_overflow:
             self._last_overflow = []
-        return state.finite
+        return not overflow
 
     def _ready_state(self, finite: bool):
         state = self._guard.state
@@ -390,8 +391,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         """Phases 4-7, after :meth:`prepare_grads` found the gradients finite: clip,
         step the masters, copy them into the model, and let the scale grow."""
         state = self._ready_state(finite=True)
-        clip_coef = self._clip(state)
-        self.store.update(state, self._scale_of(state), clip_coef, self._rounding_rng)
+        clip_coef = self._clip(state.checked)
+        self.store.update(state.checked, self._scale_of(state), clip_coef, self._rounding_rng)
         self.store.copy_back()
         self.scaler.update(False, step=self.iteration)
 
@@ -404,7 +405,6 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.skipped_steps += 1
         self._last_grad_norm = None
         self.zero_grad()
-        self.store.skip()
         old_scale = self.scaler.scale
         try:
             self.scaler.update(True, step=self.iteration)
@@ -422,7 +422,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         overflow before it unscales, as apex does) and return it. A collective where
         ranks agree on skipping: call it on every rank, once they agreed."""
         state = self._guard.state
-        local = self.store.nonfinite_grads(state, OVERFLOW_REPORTED, before_unscale=before_unscale)
+        local = self.store.overflow(state.checked, OVERFLOW_REPORTED, before_unscale=before_unscale)
         self._last_overflow = gather_report(local, self._labels, loss_finite=state.loss_finite,
                                             shards_gradients=self.store.shards_gradients, group=self.process_group,
                                             reduce=self.reduce_overflow)
@@ -432,14 +432,14 @@ class FP16Optimizer(torch.optim.Optimizer):
     def _wants_norm(self) -> bool:
         return self.max_grad_norm is not None or self.track_grad_norm
 
-    def _clip(self, state) -> torch.Tensor | None:
+    def _clip(self, checked) -> torch.Tensor | None:
         """The factor the gradients are multiplied by, as ``clip_grad_norm_`` computes
         it from the global norm of the unscaled gradients (None: no clipping). No host
         synchronization."""
         if not self._wants_norm:
             self._last_grad_norm = None
             return None
-        self._last_grad_norm = self.store.grad_norm(state)
+        self._last_grad_norm = self.store.norm(checked)
         if self.max_grad_norm is None:
             return None
         return torch.clamp(self.max_grad_norm / (self._last_grad_norm + 1e-6), max=1.0)
@@ -462,7 +462,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         weights_only=True)`` reads it. A sharded model's tensors are DTensors
         (:mod:`mpfp16.checkpoint` saves them as a DCP folder)."""
         self._check_groups()
-        params, inner = keyed_by_parameter(self._keys, self._shapes, self._dtypes, self.store.param_state(),
+        params, inner = keyed_by_parameter(self._keys, self._shapes, self._dtypes, self.store.state_out(),
                                            self.optimizer.state_dict())
         return {
             "format": STATE_FORMAT,
@@ -500,17 +500,18 @@ class FP16Optimizer(torch.optim.Optimizer):
                          master_mode=self.master_mode, rounding=self.rounding, scaler_type=type(self.scaler).__name__)
         entries = list(state_dict["params"].values())  # in this optimizer's order (checked)
         legacy = {k: state_dict[k] for k in ("kahan_compensation",) if k in state_dict}
-        self.store.check_state(entries, legacy)
         self.scaler.check_state_dict(state_dict["scaler"])  # before anything is loaded
-        self.optimizer.load_state_dict(keyed_by_index(state_dict, self._shapes, self.store.like_stepped))
-        self._share_inner_state()  # the inner optimizer made new param_groups and state
-        self.store.invalidate()
+
+        def load_inner(like) -> None:
+            self.optimizer.load_state_dict(keyed_by_index(state_dict, self._shapes, like))
+            self._share_inner_state()  # the inner optimizer made new param_groups and state
+
+        self.store.state_in(entries, legacy, load_inner)  # refuses what does not fit before it loads
         self.scaler.load_state_dict(state_dict["scaler"])
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.iteration = int(state_dict["iteration"])
         if state_dict.get("rounding_rng") is not None:
             self._rounding_rng.set_state(state_dict["rounding_rng"].cpu())
-        self.store.load_state(entries, legacy)
         changed = state_dtypes_changed(state_dict, self.state_dtypes)
         if changed and is_main_process():
             logger.info("FP16Optimizer: %s", changed)

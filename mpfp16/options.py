@@ -12,12 +12,14 @@ import torch
 from .errors import library_words
 from .rounding import ROUNDINGS
 from .scaler import DynamicLossScaler, LossScaler
+from .stores import STATE_NAMES, ParamStore, ShardedStore, state_names
 
-__all__ = ["check_options", "check_types", "held_params", "make_scaler", "master_mode", "is_number", "state_dtypes_of",
-           "STATE_NAMES", "STATE_DTYPES", "STATE_ROUNDINGS", "MASTER_WEIGHTS",
-           "ACCUMULATE_DTYPES"]
+__all__ = ["check_options", "check_types", "check_rounding_seed", "held_params", "make_scaler", "master_mode",
+           "is_number", "state_dtypes_of", "STATE_NAMES", "STATE_DTYPES", "STATE_ROUNDINGS",
+           "MASTER_WEIGHTS", "ACCUMULATE_DTYPES"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_KNOWN = (torch.optim.SGD, torch.optim.Adam)  # the classes whose subclasses may have a step() of their own
 
 ACCUMULATE_DTYPES = (None, torch.float32)  # accumulate_dtype's choices; None: the model's 16-bit dtype, as apex
 # master_weights' choices: fp32 masters; none (the 16-bit weights stepped directly); or, for bf16, the fp32 masters
@@ -32,14 +34,10 @@ def master_mode(master_weights) -> str:
     return "fp32" if master_weights else "none"
 
 
-def _check_remainder(*, rounding: str, sharded: bool, dtypes, say) -> None:
-    """The rules of ``master_weights="remainder"``: bf16 parameters only, unsharded,
-    rounded to nearest (``dtypes``: the parameters' dtypes, where known)."""
+def _check_remainder(*, rounding: str, dtypes, say) -> None:
+    """The rules of ``master_weights="remainder"``: bf16 parameters only, rounded to
+    nearest (``dtypes``: the parameters' dtypes, where known)."""
     asked = say("master_weights", "remainder")
-    if sharded:
-        raise ValueError(f"{asked} is not possible for a sharded model: its fp32 shards are FSDP2's own parameters, "
-                         "from which it makes the bf16 weights at each forward and frees them after, so there is no "
-                         f"bf16 weight kept to hold the rest of a master; drop {asked}")
     if rounding != "nearest":
         raise ValueError(f"{say('rounding', rounding)} is for 16-bit weights stepped without masters; {asked} keeps "
                          "exact fp32 masters, whose bf16 weights are their rounding to nearest")
@@ -79,15 +77,34 @@ def check_types(*, say, **options) -> None:
             raise TypeError(f"{say(name, value)} must be {what}, not {type(value).__name__}")
 
 
+def _store_kind(store: type[ParamStore] | None, sharded: bool) -> type[ParamStore] | None:
+    return ShardedStore if sharded else store
+
+
+def _refuse_limits(store: type[ParamStore] | None, asked: list[tuple[str, str]], say) -> None:
+    """Refuse, in one line, the first option of ``asked`` (``(limit key, the option in the
+    caller's words)``) that the kind of ``store`` cannot take (``ParamStore.limits``)."""
+    if store is None:
+        return
+    for key, words in asked:
+        why = store.limits.get(key)
+        if why is not None:
+            raise ValueError(f"{words} is not possible for {store.noun}: {why(say)}")
+
+
 def check_options(*, master_weights: bool | str = True, rounding: str = "nearest", max_grad_norm: float | None = None,
                   fused: bool | None = None, sharded: bool = False, reduce_overflow: bool = True,
-                  accumulate_dtype: torch.dtype | None = None, dtypes=None, say=library_words) -> None:
+                  accumulate_dtype: torch.dtype | None = None, dtypes=None, say=library_words,
+                  store: type[ParamStore] | None = None) -> None:
     """The rules between FP16Optimizer's options, in one place: the constructor calls
     it, and so does a front end (the training scripts' config) that wants to refuse a
     combination before building anything.
 
     Args:
-        sharded: the model is sharded (:func:`mpfp16.distributed.shard`).
+        store: the kind of store the parameters need (``mpfp16.stores.store_type``),
+            where known: the options it cannot take are refused (its ``limits``).
+        sharded: the model is sharded (:func:`mpfp16.distributed.shard`): for a front
+            end that knows no parameter yet, the sharded store's kind.
         dtypes: the parameters' dtypes, where known (the constructor's; a front end
             passes its compute dtype): ``master_weights="remainder"`` needs bf16
             parameters and no fp16 ones.
@@ -105,32 +122,32 @@ def check_options(*, master_weights: bool | str = True, rounding: str = "nearest
         raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
     if isinstance(master_weights, str) and master_weights not in MASTER_WEIGHTS:
         raise ValueError(f"master_weights must be True, False or 'remainder', got {master_weights!r}")
+    store = _store_kind(store, sharded)
     if master_weights == "remainder":
-        _check_remainder(rounding=rounding, sharded=sharded, dtypes=dtypes, say=say)
+        _refuse_limits(store, [("master_weights_remainder", say("master_weights", "remainder"))], say)
+        _check_remainder(rounding=rounding, dtypes=dtypes, say=say)
     if rounding != "nearest" and master_weights:
         raise ValueError(f"{say('rounding', rounding)} needs {say('master_weights', False)}: it rounds 16-bit "
                          "weights stepped directly")
     if accumulate_dtype not in ACCUMULATE_DTYPES:
         raise ValueError(f"{say('accumulate_dtype', accumulate_dtype)} must be None (the model's 16-bit dtype) or "
                          "torch.float32")
-    if not sharded:
-        return
-    where = "a sharded model"
-    if accumulate_dtype is not None:
-        raise ValueError(f"{say('accumulate_dtype', accumulate_dtype)} is not possible for {where}: FSDP2 sums the "
-                         "micro-batches' unsharded gradients itself, in its reduce_dtype: for an fp32 sum, shard with "
-                         f"{say('reduce_dtype', torch.float32)} instead")
-    if not master_weights:
-        raise ValueError(f"{say('master_weights', False)} has no meaning for {where}: its sharded fp32 parameters "
-                         "are the master weights, from which FSDP2 makes the 16-bit weights at each forward; drop "
-                         f"{say('master_weights', False)}, or train without masters unsharded")
-    if fused:
-        raise ValueError(f"{say('fused', True)} is not possible for {where}: mpfp16's fused step works on flat "
-                         "buffers, and the inner optimizer's own step runs on the shards (build it with fused=True "
-                         f"for torch's fused kernel); drop {say('fused', True)}")
-    if not reduce_overflow:
-        raise ValueError(f"{say('reduce_overflow', False)} is not possible for {where}: each rank sees only its "
-                         "own shards' inf/NaN, so the ranks would make different skip decisions")
+    asked = [(key, words) for key, words, given in [
+        ("accumulate_dtype", say("accumulate_dtype", accumulate_dtype), accumulate_dtype is not None),
+        ("master_weights", say("master_weights", False), not master_weights),
+        ("fused", say("fused", True), bool(fused)),
+        ("reduce_overflow", say("reduce_overflow", False), not reduce_overflow)] if given]
+    _refuse_limits(store, asked, say)
+
+
+def check_rounding_seed(rounding_seed, say=library_words) -> None:
+    """``rounding_seed`` an int a torch generator takes (its 64 bits, or a negative one of
+    as many), or one line naming it."""
+    if not isinstance(rounding_seed, int) or isinstance(rounding_seed, bool):
+        raise TypeError(f"{say('rounding_seed', rounding_seed)} must be an int, not {type(rounding_seed).__name__}")
+    if not -(2**63) <= rounding_seed < 2**64:
+        raise ValueError(f"{say('rounding_seed', rounding_seed)} is out of a generator's range: a seed is an int in "
+                         "[-2**63, 2**64)")
 
 
 def make_scaler(loss_scale, compute_dtype: torch.dtype) -> LossScaler:
@@ -186,8 +203,7 @@ def held_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
     if not isinstance(track_grad_norm, bool):
         raise TypeError(f"track_grad_norm={track_grad_norm!r} must be True or False, not "
                         f"{type(track_grad_norm).__name__}")
-    if not isinstance(rounding_seed, int) or isinstance(rounding_seed, bool):
-        raise TypeError(f"rounding_seed={rounding_seed!r} must be an int, not {type(rounding_seed).__name__}")
+    check_rounding_seed(rounding_seed)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if getattr(optimizer, "state", None) and any(optimizer.state.values()):
         raise ValueError("the optimizer already has state: wrap it before its first step, and load checkpoints "
@@ -211,23 +227,20 @@ def held_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
     return params
 
 
-# The per-parameter states of the inner optimizers whose states may be kept in 16 bits
-# (state_dtype), by class name; every one is a tensor of its parameter's shape.
-STATE_NAMES = {"SGD": ("momentum_buffer",), "Adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-               "AdamW": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
 STATE_DTYPES = (torch.float32, torch.bfloat16)  # state_dtype's choices
 STATE_ROUNDINGS = ("nearest", "stochastic")
 
 
-def state_dtypes_of(optimizer_name: str | None, state_dtype: torch.dtype | None = None,
+def state_dtypes_of(optimizer: torch.optim.Optimizer | type | None, state_dtype: torch.dtype | None = None,
                     state_dtypes: dict | None = None, state_rounding: str = "nearest", *, sharded: bool = False,
-                    say=library_words) -> dict[str, torch.dtype]:
+                    store: type[ParamStore] | None = None, say=library_words) -> dict[str, torch.dtype]:
     """The dtype each of the inner optimizer's states is kept in between steps, from
     FP16Optimizer's ``state_dtype`` (every floating state) and ``state_dtypes`` (per
     state, Megatron-LM's ``exp_avg_dtype``/``exp_avg_sq_dtype`` by name, over
     ``state_dtype``): ``{name: dtype}`` of the states not kept in fp32 (``{}``: all fp32).
-    ``optimizer_name``: the inner optimizer's class name (None: a front end that does
-    not know it yet checks the dtypes alone).
+    ``optimizer``: the inner optimizer, or its class for a front end that has not made
+    it yet (None: the dtypes alone); ``store``/``sharded``: the kind of store, where known, as
+    :func:`check_options` takes it.
 
     fp16 is refused: its 5-bit exponent cannot hold the second moment (a gradient of
     1e-4 squares to 1e-8, below fp16's smallest subnormal, 6e-8, and v = 0 divides the
@@ -257,22 +270,26 @@ def state_dtypes_of(optimizer_name: str | None, state_dtype: torch.dtype | None 
             raise ValueError(f"{say('state_rounding', state_rounding)} rounds 16-bit states, and every state is "
                              f"fp32: pass {say('state_dtype', torch.bfloat16)} too, or drop it")
         return {}
-    if sharded:
-        raise ValueError(f"{say('state_dtype', state_dtype if state_dtype is not None else state_dtypes)} is not "
-                         "possible for a sharded model: FSDP2's shards are stepped by the inner optimizer itself, "
-                         "whose states it keeps in its parameters' dtype; drop it, or train unsharded")
-    if optimizer_name is None:
+    given = (say("state_dtype", state_dtype) if state_dtype is not None else say("state_dtypes", state_dtypes))
+    _refuse_limits(_store_kind(store, sharded), [("state_dtypes", given)], say)
+    if optimizer is None:
         return {}
-    names = STATE_NAMES.get(optimizer_name)
+    names = state_names(optimizer)
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    name = cls.__name__
+    option = "state_dtype" if state_dtype is not None else "state_dtypes"
     if names is None:
-        given = "state_dtype" if state_dtype is not None else "state_dtypes"
-        raise ValueError(f"{given} applies to SGD, Adam and AdamW, whose states are mpfp16's to keep; "
-                         f"{optimizer_name} keeps states of its own (torchao's low-bit optimizers quantize theirs "
-                         f"already): drop {given}")
+        own = "has a step() of its own" if issubclass(cls, _KNOWN) else "keeps states of its own"
+        raise ValueError(f"{option} applies to SGD, Adam and AdamW, whose states are mpfp16's to keep; {name} {own} "
+                         f"(torchao's low-bit optimizers quantize theirs already): drop {option}")
     unknown = sorted(set(wanted) - set(names) - {"*"})
     if unknown:
-        raise ValueError(f"{say('state_dtypes', {unknown[0]: wanted[unknown[0]]})}: {optimizer_name} keeps "
+        raise ValueError(f"{say('state_dtypes', {unknown[0]: wanted[unknown[0]]})}: {name} keeps "
                          f"{', '.join(names)}")
+    if "max_exp_avg_sq" in wanted and not isinstance(optimizer, type) and not any(
+            g.get("amsgrad") for g in optimizer.param_groups):
+        raise ValueError(f"{say('state_dtypes', {'max_exp_avg_sq': wanted['max_exp_avg_sq']})}: {name} keeps "
+                         "max_exp_avg_sq only with amsgrad=True, and no param group has it")
     every = wanted.get("*", torch.float32)
     out = {name: wanted.get(name, every) for name in names}
     return {name: dtype for name, dtype in out.items() if dtype != torch.float32}

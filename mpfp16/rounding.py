@@ -27,13 +27,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ROUNDINGS", "stochastic_round", "write_state", "write_weights", "read_weights", "split_remainder",
+__all__ = ["ROUNDINGS", "scalar", "stochastic_round", "write_state", "write_weights", "read_weights", "split_remainder",
            "join_remainder",
            "REMAINDER_TIE"]
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
 REMAINDER_TIE = -0x8000  # the remainder of an fp32 value exactly halfway between two bf16 values
 _QUIET_NAN = 0x7FC0  # the bf16 weight of a NaN master
+
+
+def scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A Python double as eager kernels see it: rounded to fp32, a 0-dim tensor on
+    ``device``. ``torch.full`` fills on the device, where ``torch.tensor`` would copy
+    from the host and wait. The fused kernels take their scalars (lr, betas, 1/scale)
+    from here, so that a schedule never recompiles them."""
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def split_remainder(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

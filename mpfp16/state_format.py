@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["STATE_FORMAT", "upgrade_state_dict", "check_state_dict", "dtype_name", "keyed_by_parameter",
+from .errors import dtype_name
+
+__all__ = ["STATE_FORMAT", "upgrade_state_dict", "check_state_dict", "keyed_by_parameter",
            "keyed_by_index", "state_dtypes_changed"]
 
 STATE_FORMAT = "mpfp16.FP16Optimizer/3"
 # Formats written by earlier versions, and the store that wrote them.
 _EARLIER_FORMATS = {"mpfp16.FP16Optimizer/1": "flat", "mpfp16.FP16Optimizer/sharded-1": "sharded",
                     "mpfp16.FP16Optimizer/2": None}
-
-
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).replace("torch.", "")
 
 
 # ------------------------------------------------------------------ the form

@@ -2,10 +2,12 @@
 
 One :class:`StepState` holds everything that belongs to one step, as torch's
 ``GradScaler`` keeps one ``OptState`` per optimizer: the phase, the loss scale the
-gradients were computed with, whether the losses were finite, the inf/NaN flag of the
-unscale, what the fused step found while checking, and the fp32 sums that the
-gradient exchange carried. The first backward of a step makes it; each store phase is
-handed it; ``step()`` ends it.
+gradients were computed with, whether the losses were finite, what the store's
+unscale found (its ``Checked``: the inf/NaN flag, and what the fused check found on
+the way), and the fp32 sums that the gradient exchange carried. The first backward of
+a step makes it; ``step()`` ends it. :class:`StepGuard` is its one writer: the stores
+return what they find as values, which the optimizer hands to the guard, and the
+exchange's hooks tell the guard (its ``carried``) what they carried.
 
 The phases, and what moves between them::
 
@@ -56,11 +58,10 @@ class StepState:
             are unscaled by, should the scale change before the step (apex's order).
         loss_finite: whether every loss of the step's backward passes was finite, on
             the device (no host sync); None before the first.
-        found_inf: the inf/NaN flag once the gradients were unscaled (unscale_()).
-        materialized: the unscale wrote the unscaled fp32 gradients (``unscale_()``):
-            the fused step then reads those, not the 16-bit ones.
-        grad_sumsq: the sum of squares of the unscaled gradients the fused check
-            found (for the norm), or None.
+        checked: what the store's unscale found (``mpfp16.stores.Checked``: the inf/NaN
+            flag; whether the unscaled fp32 gradients were written, which the fused
+            step then reads; the sum of squares the fused check found), or None
+            before it ran.
         arrived: a gradient reached the parameters in this step (the hook).
         outside: one arrived outside ``backward()``.
         after_unscale: one arrived after ``unscale_()``.
@@ -73,9 +74,7 @@ class StepState:
     phase: Phase = Phase.READY
     scale: float | None = None
     loss_finite: torch.Tensor | None = None
-    found_inf: torch.Tensor | None = None
-    materialized: bool = False
-    grad_sumsq: torch.Tensor | None = None
+    checked: object = None
     arrived: bool = False
     outside: bool = False
     after_unscale: bool = False
@@ -131,8 +130,10 @@ class StepGuard:
             self.state = StepState(phase=Phase.ACCUMULATING)
         return self.state
 
-    def begin_backward(self, scale: float, loss: torch.Tensor) -> StepState:
-        """Before ``backward()`` runs the backward pass of ``loss`` at ``scale``."""
+    def begin_backward(self, scale: float, loss: torch.Tensor, sums: bool = False) -> bool:
+        """Before ``backward()`` runs the backward pass of ``loss`` at ``scale``; with
+        ``sums`` (fp32 accumulation), the step's sums are open from now on. Returns
+        whether this is the step's first backward to open them."""
         self.watch()
         state = self._begin()
         state.scale = scale
@@ -140,7 +141,9 @@ class StepGuard:
         finite = finite.all() if finite.dim() else finite
         state.loss_finite = finite if state.loss_finite is None else state.loss_finite & finite
         self.in_backward = True
-        return state
+        first = sums and not state.sums_open
+        state.sums_open |= sums
+        return first
 
     def end_backward(self) -> None:
         self.in_backward = False
@@ -154,9 +157,16 @@ class StepGuard:
         self.state = StepState()
         self.watch()
 
-    def unscaled(self, found_inf: torch.Tensor, materialized: bool) -> None:
-        self.state.phase, self.state.found_inf = Phase.UNSCALED, found_inf
-        self.state.materialized, self.state.after_unscale = materialized, False
+    def unscaled(self, checked, in_step: bool = False) -> None:
+        """The store's unscale found ``checked``: by ``unscale_()``, which moves the step
+        to UNSCALED, or inside ``step()`` (``in_step``)."""
+        self.state.checked = checked
+        if not in_step:
+            self.state.phase, self.state.after_unscale = Phase.UNSCALED, False
+
+    def agreed(self, finite: bool) -> None:
+        """What ``prepare_grads()`` found, agreed across ranks."""
+        self.state.finite = finite
 
     def finish(self) -> StepState:
         """``step()`` is done with the step's gradients: return its state, and be in

@@ -1,5 +1,6 @@
 """The stores' conformance suite (tests/test_store_conformance.py): how each store is built,
-the phases every store runs, and the plain fp32 torch reference they are held to.
+the phases every store runs, and the reference they are held to: the library's per-tensor
+definition of the step (mpfp16/reference.py), plain fp32 torch.
 
 The code runs the same way in the test process (the local stores) and in each rank of a
 two-rank gloo group (the sharded store, :func:`distributed_case`). A phase does not stop at
@@ -7,11 +8,23 @@ the first mismatch: it collects every failed check as one line and returns the l
 that a rank never leaves its peer waiting in a collective, and a test shows every
 mismatch at once.
 
-The reference (:class:`TorchReference`) is what a user of plain torch writes: fp32 copies
-of a 16-bit model's weights, stepped by a ``torch.optim`` optimizer through
-``torch.amp.GradScaler`` (its unscale, its skip of a non-finite step, its scale
-schedule), the updated copies rounded back into the 16-bit model. It takes each batch
-through its own 16-bit model. After each step's comparison it adopts the store's masters
+Besides the step's phases, the suite makes every change torch's optimizer API allows
+between two steps (torch's ``optimizer.state`` is the state's one owner): the state
+cleared, whole or one parameter's; a state tensor assigned, of the same dtype, another
+dtype, another shape; an earlier state_dict loaded into the optimizer that stepped on
+(a rollback, with a parameter the checkpoint holds no state for); every hyper-parameter
+changed; ``amsgrad`` turned on as a checkpoint that has it would. The store must step
+on as plain torch does after the same change, or refuse the next step in one line
+before anything moves (the entry's ``refuses``). The rules a store applies that plain
+torch leaves open are the reference's too (mpfp16/stores/state_rules.py): a state
+assigned in another dtype is converted to the dtype the state is kept in, to nearest.
+
+The reference (:class:`TorchReference`) is the library's definition of the step,
+:class:`mpfp16.reference.ReferenceStep`: what a user of plain torch writes, per tensor,
+fp32 copies of a 16-bit model's weights, unscaled, checked, clipped, stepped by a
+``torch.optim`` optimizer, the updated copies rounded back into the 16-bit model; its
+scale is judged against ``torch.amp.GradScaler``'s own update, fed the same overflows. It
+takes each batch through its own 16-bit model. After each step's comparison it adopts the store's masters
 and inner state (nothing changes where they were bit-identical), so that every step is
 judged from the same state: where an entry allows the last bits, one weight whose 16-bit
 rounding flipped does not carry a difference into later steps' gradients.
@@ -28,7 +41,8 @@ import torch.nn as nn
 
 import mpfp16
 import mpfp16.distributed as mdist
-from reference import ReferenceTrainer, batches, make_inner, tiny_mlp
+from mpfp16.reference import ReferenceStep
+from reference import batches, make_inner, tiny_mlp
 
 # The scale every phase trains with: dynamic, starting low enough that no clean step of
 # the tiny model overflows (so the only skips are the ones a phase makes), and growing
@@ -58,7 +72,9 @@ TOLERANCES = {"exact": None, "sqrt": dict(rtol=1e-6, atol=1e-8)}
 # that the update is still compared at the tolerance of its entry.
 NORM_RTOL = {"torch": 0.0, "own": 1e-6}
 
-PHASES = ["clean", "overflow", "unscale-clip", "max-grad-norm", "accumulate", "reload", "freeze"]
+PHASES = ["clean", "overflow", "unscale-clip", "max-grad-norm", "accumulate", "reload", "freeze",
+          "clear", "clear-one", "assign", "rollback", "hyper", "amsgrad"]
+BF16 = torch.bfloat16
 
 
 @dataclasses.dataclass
@@ -87,6 +103,16 @@ def flat(kind: str, seed: int, fused: bool = False, **options) -> Built:
     opt = mpfp16.FP16Optimizer(make_inner(kind, model.parameters()), loss_scale=_scaler(), fused=fused, model=model,
                                **options)
     return Built(model, opt)
+
+
+def flat_bf16_states(kind: str, seed: int, fused: bool = False, **options) -> Built:
+    """:func:`flat` with every optimizer state kept in bf16, rounded to nearest."""
+    return flat(kind, seed, fused=fused, state_dtype=BF16, **options)
+
+
+def per_tensor_bf16_states(kind: str, seed: int, **options) -> Built:
+    """:func:`per_tensor` with every optimizer state kept in bf16, rounded to nearest."""
+    return per_tensor(kind, seed, state_dtype=BF16, **options)
 
 
 def per_tensor(kind: str, seed: int, **options) -> Built:
@@ -119,26 +145,26 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class TorchReference(ReferenceTrainer):
-    """Plain fp32 torch over fp32 copies of a 16-bit model (module docstring), its loss
-    scale from ``torch.amp.GradScaler`` with the stores' settings. A parameter that does
-    not require grad gets no gradient, so torch's optimizer leaves it and its state."""
+class TorchReference(ReferenceStep):
+    """The library's definition of the step (:class:`mpfp16.reference.ReferenceStep`:
+    plain torch, per tensor) over fp32 copies of a 16-bit model, with the stores' scale
+    settings, and ``torch.amp.GradScaler``'s own scale update (its kernel, fed the same
+    overflows) as the independent judge of the scale.
 
-    def __init__(self, model16: nn.Module, kind: str):
-        super().__init__(model16, kind)
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
-        self._unscaled = False
+    Args:
+        model16: the reference's own 16-bit model.
+        kind: the inner optimizer (a name of reference.make_inner).
+        states: the dtype the store keeps the optimizer states in.
+        clip: clip to :data:`CLIP`, with the store's norm (:meth:`step`).
+    """
 
-    def backward(self, loss):
-        self.scaler.scale(loss.float()).backward()
-
-    @torch.no_grad()
-    def unscale_(self) -> None:
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                m.grad = None if p.grad is None or not p.requires_grad else p.grad.float()
-        self.scaler.unscale_(self.opt)
-        self._unscaled = True
+    def __init__(self, model16: nn.Module, kind: str, states: torch.dtype = torch.float32, clip: bool = False):
+        self.model = model16
+        super().__init__(model16.parameters(), lambda masters: make_inner(kind, masters),
+                         scaler=mpfp16.DynamicLossScaler(init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL),
+                         max_grad_norm=CLIP if clip else None, state_dtype=states)
+        self.torch_scale = torch.full((), INIT_SCALE)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32)
 
     def grads(self) -> list[torch.Tensor]:
         """The masters' gradients of this step (none for a frozen parameter)."""
@@ -146,22 +172,18 @@ class TorchReference(ReferenceTrainer):
 
     @torch.no_grad()
     def step(self, clip_norm: torch.Tensor | None = None) -> bool:
-        """Unscale (unless done), clip to :data:`CLIP` with ``clip_norm`` if given, let
-        GradScaler step or skip, copy back; whether it stepped."""
-        if not self._unscaled:
-            self.unscale_()
-        finite = all(bool(torch.isfinite(g).all()) for g in self.grads())  # what GradScaler.step decides on
-        if clip_norm is not None and finite:
-            torch.nn.utils.clip_grads_with_norm_([m for m in self.masters if m.grad is not None], CLIP, clip_norm)
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self._unscaled = False
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                p.copy_(m)
-            p.grad = None
-            m.grad = None
-        return finite
+        """The reference's step after its :meth:`unscale` (the caller ran it), clipping
+        with ``clip_norm`` (the store's norm: NORM_RTOL), and GradScaler's scale update
+        beside its own; whether it stepped."""
+        finite = all(bool(torch.isfinite(g).all()) for g in self.grads())
+        torch._amp_update_scale_(self.torch_scale, self.growth_tracker, torch.tensor([0.0 if finite else 1.0]),
+                                 2.0, 0.5, GROWTH_INTERVAL)
+        if not finite:
+            self.skip()
+            return False
+        self.clip(clip_norm)
+        self.update()
+        return True
 
     @torch.no_grad()
     def adopt(self, opt: mpfp16.FP16Optimizer) -> None:
@@ -169,9 +191,9 @@ class TorchReference(ReferenceTrainer):
         rounded), so that the next step of both starts from the same values."""
         for m, s in zip(self.masters, opt.master_params()):
             m.copy_(full(s))
-            mine = self.opt.state.get(m, {})
+            mine = self.optimizer.state.get(m, {})
             for key, value in opt.state.get(s, {}).items():
-                if torch.is_tensor(value) and torch.is_tensor(mine.get(key)):
+                if torch.is_tensor(value) and torch.is_tensor(mine.get(key)) and value.shape == mine[key].shape:
                     mine[key].copy_(full(value))
         for p, m in zip(self.params, self.masters):
             if m is not p:
@@ -211,10 +233,11 @@ class Run:
     """One store (a factory's build) and the reference, stepped together on the same
     batches; every check that fails adds a line to :attr:`failures`."""
 
-    def __init__(self, factory, kind: str, spec: dict, **options):
+    def __init__(self, factory, kind: str, spec: dict, clip: bool = False, **options):
         self.factory, self.kind, self.spec, self.options = factory, kind, spec, options
         self.built = factory(kind, 0, **options)
-        self.ref = TorchReference(mpfp16.to_half(tiny_mlp(0)), kind)
+        self.ref = TorchReference(mpfp16.to_half(tiny_mlp(0)), kind, spec.get("states", torch.float32),
+                                  clip=clip)
         self.failures: list[str] = []
         self.tolerance = TOLERANCES[spec["update"]]
         self.norm_rtol = NORM_RTOL[spec["norm"]]
@@ -273,7 +296,7 @@ class Run:
             self.same(f"master {name}", full(s), m, self.tolerance)
             if p is not s:  # the copy back: the 16-bit weight is its master rounded
                 self.same(f"weight {name}", full(p), full(s).to(p.dtype))
-            mine, theirs = opt.state.get(s, {}), ref.opt.state.get(m, {})
+            mine, theirs = opt.state.get(s, {}), ref.optimizer.state.get(m, {})
             self.expect(sorted(mine) == sorted(theirs), f"inner state of {name}: {sorted(mine)}, torch's "
                                                         f"{sorted(theirs)}")
             for key in set(mine) & set(theirs):
@@ -284,8 +307,9 @@ class Run:
             for name, p, q in zip(self._names, opt.model_params(), ref.params):
                 if p.dtype == q.dtype:
                     self.same(f"weight {name} against torch's", full(p), q)
-        self.expect(opt.loss_scale == ref.scaler.get_scale(),
-                    f"loss scale {opt.loss_scale}, GradScaler's {ref.scaler.get_scale()}")
+        self.expect(opt.loss_scale == ref.scaler.scale == float(ref.torch_scale),
+                    f"loss scale {opt.loss_scale}, the reference's {ref.scaler.scale}, GradScaler's "
+                    f"{float(ref.torch_scale)}")
 
     def compare_twin(self) -> None:
         """The reloaded optimizer against the one that was not: bit for bit, whatever
@@ -325,7 +349,7 @@ class Run:
             p.grad = None
         for i in range(micro):
             ref.backward(nn.functional.cross_entropy(ref.model(x), y) * factor / micro)
-        ref.unscale_()
+        ref.unscale()
         ref_norm = torch.nn.utils.get_total_norm(ref.grads())
         clip_norm = None  # the norm the reference clips with: the store's (NORM_RTOL)
         if unscale_clip:
@@ -344,6 +368,32 @@ class Run:
             self.compare_twin()
         self.ref.adopt(opt)
         return stepped[0]
+
+    def refused(self, words: str) -> None:
+        """The next step of the store is refused in one line naming ``words``, before
+        anything moves (the reference does not step)."""
+        x, y = next(self.data)
+        opt = self.built.opt
+        before, scale = self.snapshot(), opt.loss_scale
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(self.built.model(x), y))
+        try:
+            opt.step()
+        except (RuntimeError, ValueError) as exc:
+            message = str(exc)
+            self.expect("\n" not in message and words in message,
+                        f"the refusal is not one line naming {words!r}: {message!r}")
+        else:
+            self.expect(False, f"the step was taken, where it must be refused naming {words!r}")
+        after = self.snapshot()
+        for key in before:
+            self.same(f"after the refused step, {key}", after[key], before[key])
+        self.expect(opt.loss_scale == scale, f"the refused step moved the scale from {scale} to {opt.loss_scale}")
+        opt.zero_grad()
+
+    def pairs(self):
+        """``(store's stepped tensor, the reference's master)`` per parameter."""
+        return list(zip(self.built.opt.master_params(), self.ref.masters))
 
     def reload(self) -> None:
         """A fresh build (other initial weights: everything must come from the state)
@@ -436,15 +486,161 @@ def freeze(run: Run) -> None:
         run.same(f"frozen {key}", after[key], value)
 
 
+def _state_name(run: Run) -> str:
+    return "momentum_buffer" if run.kind in ("sgd", "nesterov") else "exp_avg"
+
+
+def clear(run: Run) -> None:
+    """``opt.state.clear()`` (the inner optimizer's own state, which the wrapper shares)
+    after two steps: every parameter starts afresh, as in torch; state_dict() holds only
+    what steps."""
+    run.step()
+    run.step()
+    run.built.opt.state.clear()
+    run.ref.optimizer.state.clear()
+    run.expect(not run.built.opt.state_dict()["optimizer"]["state"], "state_dict() holds a state after clear()")
+    run.step()
+    run.step()
+
+
+def clear_one(run: Run) -> None:
+    """One parameter's state deleted (``del opt.state[p]``) and another's emptied in
+    place: those two start afresh, the others go on."""
+    run.step()
+    run.step()
+    (a, ra), (b, rb) = run.pairs()[1], run.pairs()[2]
+    del run.built.opt.state[a]
+    del run.ref.optimizer.state[ra]
+    run.built.opt.state[b].clear()
+    run.ref.optimizer.state[rb].clear()
+    run.step()
+    run.step()
+
+
+def assign(run: Run) -> None:
+    """A state tensor assigned (``opt.state[p][name] = t``): of the dtype the state is
+    kept in, of another dtype (converted to the kept one, to nearest), and of another
+    shape (the step refused in one line, before anything moves); and one given other
+    data in place of its own (``t.data = ...``)."""
+    run.step()
+    run.step()
+    name = _state_name(run)
+    pairs = run.pairs()
+    for i, dtype in ((0, None), (1, torch.float64), (3, torch.float32)):
+        m, r = pairs[i]
+        entry = run.built.opt.state[m]
+        old = full(entry[name])
+        new = (old.double() * 0.5 + 1e-3).to(dtype or old.dtype)
+        entry[name] = _like_shard(new, m) if old is not entry[name] else new
+        run.ref.optimizer.state[r][name] = new.clone()  # its own tensor: the store steps new in place
+    m, r = pairs[4]
+    entry = run.built.opt.state[m]
+    if full(entry[name]) is entry[name]:  # the same tensor given other data (``.data =``), where not a DTensor
+        entry[name].data = entry[name].data * 0.25
+        run.ref.optimizer.state[r][name].mul_(0.25)
+    run.step()
+    run.step()
+    m, _ = pairs[2]
+    kept = run.built.opt.state[m][name]
+    run.built.opt.state[m][name] = torch.zeros(3)
+    run.refused("has shape [3]")
+    run.built.opt.state[m][name] = kept
+    run.step()
+
+
+def _like_shard(t: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``t`` (whole) as ``target`` (a DTensor) holds it: each rank's shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+
+
+def rollback(run: Run) -> None:
+    """The recipe of rolling back on a loss spike: the model's and the optimizer's
+    state_dicts taken at a step, training on, then both loaded back into the live
+    model and optimizer. The first layer was frozen until the checkpoint, so it has no
+    state there: it starts afresh at the rollback, whatever it held by then."""
+    models = (run.built.model, run.ref.model)
+    for model in models:
+        for p in model[0].parameters():
+            p.requires_grad_(False)
+    run.step()
+    run.step()
+    saved = (copy.deepcopy(run.built.model.state_dict()), _state_dict_copy(run.built.opt.state_dict()))
+    ref = run.ref
+    ref_saved = (copy.deepcopy(ref.optimizer.state_dict()), [m.detach().clone() for m in ref.masters],
+                 [p.detach().clone() for p in ref.params], copy.deepcopy(ref.scaler.state_dict()),
+                 ref.torch_scale.clone(), ref.growth_tracker.clone())
+    for model in models:
+        for p in model[0].parameters():
+            p.requires_grad_(True)
+    run.step()
+    run.step()
+    run.built.model.load_state_dict(saved[0])
+    run.built.opt.load_state_dict(_state_dict_copy(saved[1]))
+    ref.load_optimizer_state(copy.deepcopy(ref_saved[0]))
+    with torch.no_grad():
+        for m, v in zip(ref.masters, ref_saved[1]):
+            m.copy_(v)
+        for p, v in zip(ref.params, ref_saved[2]):
+            p.copy_(v)
+    ref.scaler.load_state_dict(ref_saved[3])
+    ref.torch_scale.copy_(ref_saved[4])
+    ref.growth_tracker.copy_(ref_saved[5])
+    run.compare_with_reference()
+    for _ in range(3):
+        run.step()
+
+
+def hyper(run: Run) -> None:
+    """Every hyper-parameter of the groups changed between steps, as a schedule or a
+    user changes them: each step reads them all, and a change that switches a part of
+    the update on or off (weight decay, momentum, Nesterov, maximize) takes effect."""
+    sgd = run.kind in ("sgd", "nesterov")
+    changes = ([{"lr": 0.02, "weight_decay": 0.0}, {"momentum": 0.5, "dampening": 0.1},
+                {"dampening": 0.0, "nesterov": True}, {"momentum": 0.0, "nesterov": False},
+                {"momentum": 0.9, "weight_decay": 1e-3}, {"maximize": True}] if sgd else
+               [{"lr": 2e-3, "weight_decay": 0.0}, {"betas": (0.8, 0.99), "eps": 1e-6},
+                {"weight_decay": 5e-2}, {"maximize": True}, {"decoupled_weight_decay": False}])
+    run.step()
+    for change in changes:
+        for opt in (run.built.opt.optimizer, run.ref.optimizer):
+            for group in opt.param_groups:
+                group.update(change)
+        run.step()
+
+
+def amsgrad(run: Run) -> None:
+    """``amsgrad`` turned on with a ``max_exp_avg_sq`` for every state, as loading a
+    checkpoint of an optimizer built with it does: the unfused step goes on with it as
+    torch does; a fused step that cannot take it refuses in one line (``refuses``)."""
+    if run.kind in ("sgd", "nesterov"):
+        return
+    run.step()
+    run.step()
+    for opt in (run.built.opt.optimizer, run.ref.optimizer):
+        for entry in opt.state.values():
+            entry["max_exp_avg_sq"] = entry["exp_avg_sq"].clone()
+        for group in opt.param_groups:
+            group["amsgrad"] = True
+    if "amsgrad" in run.spec.get("refuses", ()):
+        run.refused("amsgrad=True")
+        return
+    run.step()
+    run.step()
+
+
 PHASE_FUNCTIONS = {"clean": clean, "overflow": overflow, "unscale-clip": unscale_clip,
-                   "max-grad-norm": max_grad_norm, "accumulate": accumulate, "reload": reload, "freeze": freeze}
+                   "max-grad-norm": max_grad_norm, "accumulate": accumulate, "reload": reload, "freeze": freeze,
+                   "clear": clear, "clear-one": clear_one, "assign": assign, "rollback": rollback, "hyper": hyper,
+                   "amsgrad": amsgrad}
 
 
 def run_phase(factory, kind: str, phase: str, spec: dict) -> list[str]:
     """``phase`` on the store ``factory`` builds, over the inner optimizer ``kind``:
     the failed checks, one line each (none: it conforms)."""
     options = {"max_grad_norm": CLIP} if phase == "max-grad-norm" else {}
-    run = Run(factory, kind, spec, **options)
+    run = Run(factory, kind, spec, clip=phase in ("max-grad-norm", "unscale-clip"), **options)
     PHASE_FUNCTIONS[phase](run)
     return run.failures
 

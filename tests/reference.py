@@ -1,14 +1,20 @@
-"""An independent, plain-torch reference for a mixed-precision step.
+"""The tests' models, data and references for a mixed-precision step.
 
-It does by hand, per tensor, what FP16Optimizer does with flat buffers: fp16 forward
-and backward on the scaled loss, fp32 copies of the weights stepped by an ordinary
-torch optimizer on the unscaled gradients, and a copy back into the 16-bit model.
+:class:`ReferenceTrainer` is the library's definition of the step
+(:class:`mpfp16.reference.ReferenceStep`: per tensor, in plain torch, what FP16Optimizer
+does with flat buffers: fp16 forward and backward on the scaled loss, fp32 copies of the
+weights stepped by an ordinary torch optimizer on the unscaled gradients, a copy back
+into the 16-bit model) with a static scale; tests/test_reference.py holds the definition
+to plain torch and ``torch.amp.GradScaler``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from mpfp16.reference import ReferenceStep
+from mpfp16.scaler import LossScaler
 
 
 def tiny_mlp(seed: int = 0, norm: bool = True) -> nn.Module:
@@ -40,8 +46,9 @@ def make_inner(kind: str, params, lr: float = 0.05, **kw):
 OPTIMIZERS = ["sgd", "nesterov", "adam", "adamw"]
 
 
-class ReferenceTrainer:
-    """fp32 torch optimizer over fp32 copies of a 16-bit model's weights.
+class ReferenceTrainer(ReferenceStep):
+    """The library's definition of the step (mpfp16/reference.py) over a 16-bit model,
+    with a static loss scale and a reference.make_inner optimizer.
 
     master_weights=False re-creates the fp32 weights from the 16-bit ones at every
     step (the optimizer's own state persists), which is what stepping the 16-bit
@@ -51,30 +58,17 @@ class ReferenceTrainer:
     def __init__(self, model16: nn.Module, kind: str, scale: float = 1.0, master_weights: bool = True,
                  max_grad_norm: float | None = None, **kw):
         self.model = model16
-        self.params = list(model16.parameters())
-        self.masters = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in self.params]
-        self.opt = make_inner(kind, self.masters, **kw)
+        super().__init__(model16.parameters(), lambda masters: make_inner(kind, masters, **kw),
+                         scaler=LossScaler(scale), max_grad_norm=max_grad_norm, master_weights=master_weights)
         self.scale = scale
-        self.master_weights = master_weights
-        self.max_grad_norm = max_grad_norm
 
-    def backward(self, loss):
-        (loss.float() * self.scale).backward()
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        return self.optimizer
 
-    @torch.no_grad()
-    def step(self):
-        inv = torch.tensor(1.0 / self.scale, dtype=torch.float32)
-        for p, m in zip(self.params, self.masters):
-            if not self.master_weights and m is not p:
-                m.copy_(p)
-            m.grad = p.grad.float() * inv if m is not p else p.grad * inv
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
-        self.opt.step()
-        for p, m in zip(self.params, self.masters):
-            if m is not p:
-                p.copy_(m)
-            p.grad = None
+    @opt.setter
+    def opt(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
 
 
 def train_reference(model16, kind, data, scale=1.0, accum=1, **kw):

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import mpfp16
-import mpfp16.stores.build
+import mpfp16.stores.fused
 from mpfp16.errors import one_line
 from mpfp16.stores import native
 from reference import adam_by_hand, batches, exact_sqrt, make_inner, tiny_mlp, train_mpfp16, train_reference
@@ -295,7 +295,7 @@ def test_a_build_that_fails_is_a_compile_error_of_the_fused_step(tmp_path, monke
     monkeypatch.setenv("CXX", compiler)
     monkeypatch.setattr(native, "_LIBRARY", None)
     error = error.format(folder=tmp_path / "mpfp16")
-    monkeypatch.setattr(mpfp16.stores.build, "FUSED_MIN_NUMEL", 0)
+    monkeypatch.setattr(mpfp16.stores.fused, "FUSED_MIN_NUMEL", 0)
     model = mpfp16.to_half(tiny_mlp(0))
     before = [p.detach().clone() for p in model.parameters()]
     opt = mpfp16.FP16Optimizer(make_inner("adamw", model.parameters()), loss_scale=64.0, fused=True)
@@ -466,7 +466,7 @@ def test_a_library_that_does_not_load_is_said_once_in_each_run(cache, monkeypatc
     """The unfused step, and each run's one warning naming the file: a later run does
     not stay on the slower step without a word."""
     monkeypatch.setenv("CXX", str(_fake_compiler(cache.parent.parent / "bin", writes="not a library\n" * 8)))
-    monkeypatch.setattr(mpfp16.stores.build, "FUSED_MIN_NUMEL", 0)
+    monkeypatch.setattr(mpfp16.stores.fused, "FUSED_MIN_NUMEL", 0)
     said = []
     for run in range(2):
         monkeypatch.setattr(native, "_LIBRARY", None)
@@ -553,7 +553,7 @@ def test_an_adamw_step_on_cpu_compiles_nothing_with_inductor(monkeypatch, precis
         raise AssertionError(f"inductor kernel {fn.__name__} asked for")
 
     monkeypatch.setattr(kernels, "compiled", refused)
-    monkeypatch.setattr(mpfp16.stores.build, "FUSED_MIN_NUMEL", 0)
+    monkeypatch.setattr(mpfp16.stores.fused, "FUSED_MIN_NUMEL", 0)
     for master_weights in (True, False):
         model = mpfp16.to_half(nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8)), precision)
         opt = mpfp16.FP16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), fused=True,

@@ -769,3 +769,18 @@ def test_a_scaler_state_out_of_its_bounds_is_refused_before_anything_loads():
     with pytest.raises(ValueError, match="scale"):
         here.load_state_dict(state)
     assert not here.state and here.iteration == 0 and here.loss_scale == 2.0 ** 16
+
+
+@pytest.mark.parametrize("seed,words", [
+    (2**64, r"^rounding_seed=18446744073709551616 is out of a generator's range: a seed is an int in \[-2\*\*63, "
+            r"2\*\*64\)$"),
+    (-(2**63) - 1, r"is out of a generator's range"),
+    ("3", r"^rounding_seed='3' must be an int, not str$"),
+])
+def test_a_rounding_seed_a_generator_cannot_take_is_one_line(seed, words):
+    model = mpfp16.to_half(tiny_mlp(0))
+    with pytest.raises((ValueError, TypeError), match=words):
+        mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), master_weights=False, rounding="stochastic",
+                             rounding_seed=seed)
+    mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), master_weights=False, rounding="stochastic",
+                         rounding_seed=2**64 - 1)

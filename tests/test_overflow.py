@@ -14,7 +14,7 @@ import torch.nn as nn
 import mpfp16
 import mpfp16.compat.apex as A
 from mpfp16.overflow import OVERFLOW_REPORTED
-from mpfp16.stores.interface import find_nonfinite
+from mpfp16.stores.nonfinite import find_nonfinite
 from reference import batches, tiny_mlp
 
 NAN, INF = float("nan"), float("inf")

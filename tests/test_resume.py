@@ -6,10 +6,11 @@ happens to a communication hook's state."""
 import itertools
 
 import pytest
+import torch
 
 from mpfp16.errors import CheckpointError, UserError
 from mpfp16.train import resume as R
-from mpfp16.train.config import FREE_ON_RESUME, TrainConfig
+from mpfp16.train.config import BEFORE_THEY_EXISTED, FREE_ON_RESUME, TrainConfig
 
 OWN, OTHER = "run/last.dcp", "run/last.pt"
 
@@ -181,6 +182,22 @@ def test_a_setting_the_checkpoint_does_not_record_is_not_compared():
     saved = {k: v for k, v in saved_config().items() if k != "label_smoothing"}
     assert R.changed_settings(TrainConfig(task="cifar", label_smoothing=0.1), saved, RUN, RUN, 2) == []
     assert R.changed_settings(TrainConfig(task="cifar"), "not a dict", RUN, RUN, 2) == []
+
+
+def test_a_setting_added_since_the_checkpoint_is_compared_with_what_runs_did_before_it():
+    """The previous release's checkpoints record no state_dtype (its runs kept every
+    state in fp32): resuming one with --state-dtype bf16 is the same change as on a
+    checkpoint that records fp32, refused alike."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "release-0.1", "file", "last.pt")
+    saved = torch.load(path, weights_only=True)["config"]
+    assert "state_dtype" not in saved and "state_rounding" not in saved
+    assert set(BEFORE_THEY_EXISTED) == {"state_dtype", "state_rounding"}
+    bf16 = TrainConfig(task=saved["task"], state_dtype="bf16")
+    assert [c for c in R.changed_settings(bf16, saved, None, RUN, saved_processes=1) if c[0] == "state_dtype"] == [
+        ("state_dtype", "fp32", "bf16")]
+    assert R.changed_settings(bf16, saved_config(), RUN, RUN, 2) == [("state_dtype", "fp32", "bf16")]
 
 
 @pytest.mark.parametrize("allow", [False, True])

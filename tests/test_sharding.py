@@ -167,7 +167,7 @@ def test_refusals_are_one_line(tmp_path):
     assert "do not call to_half()" in r["to_half first"]
     assert "already sharded" in r["shard twice"]
     assert "is not contiguous (channels_last, say), and FSDP2 shards contiguous parameters only" in r["channels_last"]
-    assert "master_weights=False has no meaning" in r["no masters"]
+    assert "master_weights=False is not possible for a sharded model" in r["no masters"]
     assert "fused=True is not possible" in r["fused"]
     assert "needs model=" in r["no model"]
     assert "no gradient reached" in r["step without backward"]

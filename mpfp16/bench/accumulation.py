@@ -13,7 +13,7 @@ both). The timed pieces run alternately, one call each per round, after warm-up 
 
 ``accumulate``
     what ``opt.backward()`` does after autograd's backward under fp32 accumulation,
-    once per micro-step (``opt.store.accumulate()``: the fresh fp16 gradients added
+    once per micro-step (``opt.store.accumulate(first)``: the fresh fp16 gradients added
     into the fp32 sum, then zeroed). With ``None`` nothing runs (0).
 ``backward``
     ``opt.backward(loss)`` of a loss that reaches every parameter with a zero gradient
@@ -81,10 +81,8 @@ class Holder:
 
     def accumulate(self) -> None:
         state = self.opt._guard.state  # what opt.backward() does after its backward pass, alone
-        if not state.sums_open:  # after a step: a new sum, as the step's first backward opens it
-            self.opt.store.open_sums()
-            state.sums_open = True
-        self.opt.store.accumulate()
+        self.opt.store.accumulate(first=not state.sums_open)  # after a step, a new sum: the step's first backward opens it
+        state.sums_open = True
 
     def step(self) -> None:
         self.opt.step()

@@ -63,6 +63,7 @@ import warnings
 
 import torch
 
+from ..errors import dtype_name
 from .flags import list_of, sized_config
 
 METHODS = ("mpfp16", "fp16=True", "mpfp16-bf16", "bf16=True")
@@ -224,7 +225,7 @@ def fit_once(config: dict, method: str, output_dir: str) -> dict:
     fp16 = getattr(trainer, "fp16_optimizer", None)
     return {"seconds": probe.seconds, "memory": probe.memory, "between": probe.between, "autocast": autocast,
             "grad_scaler": accelerator.scaler is not None or fp16 is not None and fp16.scaler.dynamic,
-            "weights_dtype": str(trainer.model.get_input_embeddings().weight.dtype).replace("torch.", ""),
+            "weights_dtype": dtype_name(trainer.model.get_input_embeddings().weight.dtype),
             "device": str(trainer.args.device), "params": sum(p.numel() for p in trainer.model.parameters()),
             "final_loss": losses[-1] if losses else None,
             "skipped_steps": fp16.skipped_steps if fp16 is not None else None}

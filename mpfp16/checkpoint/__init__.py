@@ -33,7 +33,7 @@ import torch
 
 from ..errors import CheckpointError, one_line
 from ..parallel.ranks import all_gather_object, failures, get_rank, get_world_size, is_initialized, raise_first
-from ..parallel.fsdp_shim import is_sharded
+from ..parallel.fsdp_shim import held_like, is_sharded
 from . import dcp, file
 
 __all__ = ["FORMAT", "Format", "FILE", "DCP", "FORMATS", "format_for", "format_of", "read", "saved_step", "remove",
@@ -214,22 +214,9 @@ def _for_model(state: dict, model: torch.nn.Module) -> dict:
     from ..state_format import upgrade_state_dict
 
     targets = model.state_dict()
-    model_state = {key: _like(value, targets[key]) if key in targets and torch.is_tensor(value) else value
+    model_state = {key: held_like(value, targets[key]) if key in targets and torch.is_tensor(value) else value
                    for key, value in state["model"].items()}
     return {**state, "model": model_state, "optimizer": upgrade_state_dict(state["optimizer"], state["model"])}
-
-
-def _like(t: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if is_sharded(t) and is_sharded(target) and (t.device_mesh, tuple(t.placements)) == (
-            target.device_mesh, tuple(target.placements)):
-        return t  # read into this model's own shards already (a DCP folder)
-    whole = t.full_tensor() if is_sharded(t) else t
-    if not is_sharded(target):
-        return whole.to(target.dtype)
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(whole.to(dtype=target.dtype, device=target.device), target.device_mesh,
-                             target.placements, src_data_rank=None)
 
 
 def check_same_everywhere(found: list[dict]) -> None:

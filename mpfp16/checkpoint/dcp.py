@@ -52,7 +52,7 @@ import warnings
 
 import torch
 
-from ..errors import CheckpointError, one_line
+from ..errors import CheckpointError, dtype_name, one_line
 from ..parallel.ranks import all_gather_object, broadcast_object, failures, get_rank, get_world_size, raise_first
 from ..parallel.fsdp_shim import is_sharded
 from ..serialization import fsync_dir, load_weights_only, write_failure
@@ -114,7 +114,7 @@ def _split(obj, path: str, dtensors: dict, aliases: dict[str, str]):
         first = aliases.get(path, path)
         if first == path:
             dtensors[path] = obj
-        return {_MARK: first, "shape": list(obj.shape), "dtype": str(obj.dtype).replace("torch.", "")}
+        return {_MARK: first, "shape": list(obj.shape), "dtype": dtype_name(obj.dtype)}
     if isinstance(obj, dict):
         return {k: _split(v, f"{path}/{k}", dtensors, aliases) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..optimizer import FP16Optimizer
-from ..options import check_options, make_scaler, state_dtypes_of
+from ..options import check_options, check_rounding_seed, make_scaler, state_dtypes_of
 
 __all__ = ["FrontEndOptions"]
 
@@ -32,8 +32,7 @@ class FrontEndOptions:
         if allreduce_dtype not in ALLREDUCE_DTYPES:
             raise ValueError(f"allreduce_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, "
                              f"got {allreduce_dtype}")
-        if not isinstance(rounding_seed, int) or isinstance(rounding_seed, bool):
-            raise TypeError(f"rounding_seed={rounding_seed!r} must be an int, not {type(rounding_seed).__name__}")
+        check_rounding_seed(rounding_seed)
         self.dtype, self.master_weights, self.loss_scale, self.rounding = dtype, master_weights, loss_scale, rounding
         self.accumulate_dtype, self.fused, self.rounding_seed = accumulate_dtype, fused, rounding_seed
         self.allreduce_dtype = allreduce_dtype

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 
-from ..errors import library_words
+from ..errors import dtype_name, library_words
 from .ranks import group_ranks, is_initialized
 from .handles import Handle, handle_of, register
 from .hooks import HOOKS, STRATEGIES, TORCH_STRATEGIES, HookState
@@ -85,7 +85,7 @@ def check_options(*, strategy: str, allreduce_dtype: torch.dtype | None, predivi
 
 def _half_dtypes(model: torch.nn.Module) -> list[str]:
     """The 16-bit dtypes of ``model``'s trainable parameters, by name."""
-    return sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
+    return sorted({dtype_name(p.dtype) for p in model.parameters()
                    if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)})
 
 

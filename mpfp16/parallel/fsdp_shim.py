@@ -12,7 +12,8 @@ What mpfp16 needs beyond ``fully_shard``'s public surface:
   wrapped so that each call's payload and time are counted.
 
 :func:`is_sharded` (a DTensor check) lives here too, as the one test of "sharded" the
-library uses.
+library uses, with the two conversions every layer needs between whole tensors and
+shards (:func:`whole`, :func:`held_like`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-__all__ = ["is_sharded", "sharded_params", "unsharded_tensors", "accounted_collectives"]
+__all__ = ["is_sharded", "sharded_params", "unsharded_tensors", "accounted_collectives", "whole", "held_like"]
 
 
 def is_sharded(tensor) -> bool:
@@ -29,6 +30,27 @@ def is_sharded(tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a DTensor gathered (a collective over its mesh), a tensor as it is."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def held_like(t: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``t`` (whole, or a DTensor of any sharding) as ``target`` holds its values: of
+    its dtype and device, and, for a DTensor target, of its sharding (a whole tensor is
+    cut by each rank alone, with no communication; one of the target's sharding is
+    taken as it is)."""
+    if is_sharded(t) and is_sharded(target) and (t.device_mesh, tuple(t.placements)) == (
+            target.device_mesh, tuple(target.placements)):
+        return t.to(target.dtype)
+    value = whole(t).to(dtype=target.dtype, device=target.device)
+    if not is_sharded(target):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
 
 
 def sharded_params(params) -> list[torch.Tensor]:

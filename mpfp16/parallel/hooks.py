@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import inductor
-from ..errors import compile_errors, one_line
+from ..errors import compile_errors, dtype_name, one_line
 from . import accumulation
 from .powersgd import PowerSGDMemory
 
@@ -64,8 +64,6 @@ TORCH_STRATEGIES = ("fp16_compress", "bf16_compress", "powersgd")  # torch's com
 STRATEGIES = MPFP16_STRATEGIES + TORCH_STRATEGIES
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 class CommStats:

@@ -6,30 +6,43 @@ and AdamW with round-to-nearest weights and for the overflow check that does not
 the squares: those are C++ on at::vec, built at first use (mpfp16/stores/native.py),
 the same results bit for bit, about level with torch's fused AdamW.
 
+The kernels step the inner optimizer's own state tensors, which are views of flat
+buffers (mpfp16/stores/flat_state.py): ``optimizer.state`` is the state's one owner, and
+whatever a user does to it between steps, the next step honours. Every group's
+hyper-parameters are read at every step; one that the kernels cannot step (a checkpoint
+that turns ``amsgrad`` on, say) is found before anything moves (:func:`unsupported_reason`).
+
 A segment is a run of parameters of one param group that are stepped this step (they
 require grad) and whose optimizer state is at the same point (SGD: a momentum buffer
-or none yet; Adam: the same step count), so that one kernel call steps them all. A
-parameter frozen mid-run is left out, and one unfrozen later is stepped from its own
-state: the segments are made again whenever the set of parameters that require grad
-changes.
+or none yet; Adam: the same step count), so that one kernel call steps them all.
 
-The kernels are compiled in :meth:`FusedStep.prepare`, on scratch tensors, before
-the first step writes anything; this module itself imports no compiler, so
-``import mpfp16`` stays light, and inductor is imported only by a step that uses one of
-its kernels.
+The kernels a step needs are built in :meth:`FusedStep.prepare` (:meth:`FusedStep.variants`
+names them), on scratch tensors, before the step writes anything; a variant that a
+changed hyper-parameter needs first (momentum turned on, say) is built then, before
+that step writes anything. This module itself imports no compiler, so ``import
+mpfp16`` stays light, and inductor is imported only by a step that uses one of its kernels.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
+from ..parallel.ranks import is_main_process
+from ..rounding import scalar
 from . import native
-from .interface import unscale_and_check
-from .segments import runs
+from .flat_state import FlatState
+from .interface import Checked
+from .nonfinite import check_flat, flat_check_is_native, prepare_flat_check, unscale_and_check
+from .state_rules import known_base, state_problem
 
-__all__ = ["FusedStep", "SUPPORTED", "unsupported_reason", "fast_path_flag"]
+__all__ = ["FusedStep", "unsupported_reason", "fast_path_flag", "choose_fused", "FUSED_MIN_NUMEL"]
 
-SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+logger = logging.getLogger("mpfp16")
+
+FUSED_MIN_NUMEL = 1 << 20  # below this, fused=None keeps the unfused step (no compile time)
 
 
 def fast_path_flag(optimizer: torch.optim.Optimizer) -> str | None:
@@ -42,24 +55,71 @@ def fast_path_flag(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why ``optimizer`` cannot take the fused path, or None if it can. The inner
-    optimizer's own ``fused``/``foreach`` flags are no reason: the fused kernels do
-    the arithmetic of torch's foreach and for-loop steps, and without them (a compile
-    that fails) the inner optimizer's own step, fused or not, runs over the masters."""
-    if type(optimizer) not in SUPPORTED:
-        return f"{type(optimizer).__name__} is not SGD, Adam or AdamW"
-    for group in optimizer.param_groups:
-        if group.get("differentiable"):
-            return "differentiable=True"
-        if group.get("capturable"):
-            return "capturable=True"
-        if group.get("amsgrad"):
-            return "amsgrad=True"
-        for key in ("betas", "momentum", "weight_decay", "eps"):
+    """Why the fused kernels cannot step ``optimizer`` as its param groups are now, or
+    None if they can. Asked when the optimizer is built and before every fused step.
+    The inner optimizer's own ``fused``/``foreach`` flags are no reason: the fused
+    kernels do the arithmetic of torch's foreach and for-loop steps."""
+    if known_base(optimizer) is None:
+        name = type(optimizer).__name__
+        if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
+            return f"{name} has a step() of its own"
+        return f"{name} is not SGD, Adam or AdamW"
+    for i, group in enumerate(optimizer.param_groups):
+        where = f" in param group {i}" if len(optimizer.param_groups) > 1 else ""
+        for flag in ("differentiable", "capturable", "amsgrad"):
+            if group.get(flag):
+                return f"{flag}=True{where}"
+        for key in ("lr", "betas", "momentum", "weight_decay", "eps", "dampening"):
             values = group.get(key, ())
-            if any(torch.is_tensor(v) for v in (values if isinstance(values, tuple) else (values,))):
-                return f"tensor-valued {key}"
+            if any(torch.is_tensor(v) and key != "lr" for v in (values if isinstance(values, tuple) else (values,))):
+                return f"tensor-valued {key}{where}"
     return None
+
+
+def choose_fused(optimizer: torch.optim.Optimizer, numel: int, fused: bool | None, store_reason: str | None) -> bool:
+    """Whether a store whose fused step is possible unless ``store_reason`` says why not
+    takes it, for FP16Optimizer's ``fused`` (True: the fused step or a one-line error;
+    None: when supported and either ``numel`` >= :data:`FUSED_MIN_NUMEL` or the inner
+    optimizer asked for torch's fast step; False: never), with one log line where it is
+    not what was asked for.
+
+    Raises:
+        ValueError: ``fused=True`` where the optimizer or the store cannot take it.
+    """
+    optimizer_reason = unsupported_reason(optimizer)
+    reason = optimizer_reason or store_reason
+    if fused and reason:
+        raise ValueError(f"fused=True is not possible: {reason}")
+    asked = fast_path_flag(optimizer)  # the inner optimizer's fused=True / foreach=True
+    big = numel >= FUSED_MIN_NUMEL
+    use = fused if fused is not None else (reason is None and (big or asked is not None))
+    # Said where the fused step was asked for (the inner optimizer's flag), or where its
+    # size would have chosen it and the optimizer is what stands in the way (a store that
+    # cannot take it says so in its own line); fused=False asks for nothing.
+    if not use and is_main_process() and (asked or (fused is None and big and optimizer_reason is not None)):
+        _explain_no_fused_step(optimizer, asked, optimizer_reason, store_reason, numel)
+    return bool(use)
+
+
+def _explain_no_fused_step(optimizer, asked: str | None, optimizer_reason: str | None, store_reason: str | None,
+                           numel: int) -> None:
+    """One line for an inner optimizer built with fused=True or foreach=True whose
+    step is not mpfp16's fused one: its own step then runs over the fp32 masters; and,
+    with ``asked`` None, for one that FP16Optimizer(fused=None) would have given the
+    fused step for its size but cannot take (torchao's low-bit optimizers, RMSprop,
+    amsgrad=True): its own step runs, an INFO line, since nothing was asked for."""
+    name = type(optimizer).__name__
+    if asked is None:
+        logger.info("%s over %d parameters: mpfp16's fused step cannot take it (%s); %s's own step runs", name,
+                    numel, optimizer_reason, name)
+        return
+    own = f"torch's own {asked.split('=')[0]} step runs over the fp32 masters"
+    if optimizer_reason is not None:
+        logger.warning("%s(%s): mpfp16's fused step cannot take it (%s); %s", name, asked, optimizer_reason, own)
+    elif store_reason is not None:
+        logger.info("%s(%s): %s (mpfp16's fused step: %s)", name, asked, own, store_reason)
+    else:  # FP16Optimizer(fused=False)
+        logger.info("%s(%s) under FP16Optimizer(fused=False): %s, not mpfp16's fused step", name, asked, own)
 
 
 def _value(x) -> float:
@@ -68,67 +128,66 @@ def _value(x) -> float:
 
 class FusedStep:
     """Runs the step of an SGD/Adam/AdamW inner optimizer as fused kernels over the
-    segments of the flat store's buffers (module docstring), keeping the inner
-    optimizer's ``state`` in its usual per-parameter form (each entry a view of a flat
-    state buffer), so that ``state_dict()`` is the same whichever step ran.
+    segments of the flat store's buffers (module docstring), on the inner optimizer's
+    own state tensors (:class:`mpfp16.stores.flat_state.FlatState`).
 
     The kernels read the 16-bit gradients and unscale them on the fly, or, after
     ``unscale(..., materialize=True)`` (what ``FP16Optimizer.unscale_()`` asks for),
-    the unscaled fp32 gradients that it wrote into the masters' ``.grad``. What one
-    step found (the scale, whether the gradients were materialized, their sum of
-    squares) is in the step's state (:class:`mpfp16.step_state.StepState`), which each
-    phase is handed. The groups are reached through their kernel methods
-    (:meth:`mpfp16.stores.groups.ParamGroup.kernel_buffers`, ``check_grads``,
-    ``kernel_rounding``, ``ready_fp32_grads``).
-
-    With ``state_dtypes`` (mpfp16/stores/state_dtypes.py) the flat state buffers of
-    those states are 16-bit: the kernels widen them, compute in fp32, and store the new
+    the unscaled fp32 gradients that it wrote into the masters' ``.grad``. With
+    ``state_dtypes`` (mpfp16/stores/state_dtypes.py) the flat state buffers of those
+    states are 16-bit: the kernels widen them, compute in fp32, and store the new
     states rounded once (``state_rounding``: to nearest, or stochastically with noise
     drawn each step).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups, stepped, rounding: str = "nearest",
+    def __init__(self, optimizer: torch.optim.Optimizer, groups, rounding: str = "nearest",
                  state_dtypes: dict | None = None, state_rounding: str = "nearest") -> None:
         self.optimizer = optimizer
         self.groups = groups  # the ParamGroups, every one flat
-        self.stepped = stepped
         self.rounding = rounding
         self.state_dtypes, self.state_rounding = dict(state_dtypes or {}), state_rounding
-        self.is_sgd = type(optimizer) is torch.optim.SGD
-        self._flat_state: dict = {}  # (flat group index, state name) -> flat state buffer, in its state's dtype
-        self._segments: dict = {}  # flat group index -> the segments stepped (module docstring)
-        self._steps: dict = {}  # (flat group index, segment index) -> Adam step counters
-        self._adopted_for = None  # the requires_grad pattern the segments were made for
+        self.is_sgd = known_base(optimizer) is torch.optim.SGD
+        self.state = FlatState(optimizer, groups, self.state_dtypes, self.is_sgd)
+
+    # ------------------------------------------------------------------ before anything moves
+
+    def problem(self, stepped: list[torch.Tensor], params: list[torch.Tensor], labels: list[str]) -> str | None:
+        """Why the next step cannot step the state as it is now (one line), or None:
+        nothing to say while the state is what the kernels made it."""
+        if self.state.holds():
+            return None
+        return state_problem(self.optimizer, stepped, params, labels)
+
+    def reload(self, stepped: list[torch.Tensor], params: list[torch.Tensor], labels: list[str]) -> None:
+        """After the inner optimizer loaded a state_dict: adopt it now, so that 16-bit
+        states are held in 16 bits from the load on (one that cannot be stepped is left
+        for the next step's check to refuse)."""
+        if state_problem(self.optimizer, stepped, params, labels) is None:
+            self.state.adopt(fresh_states=False)
 
     # ------------------------------------------------------------------ the phases
 
-    def unscale(self, state, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
+    def unscale(self, scale: float, materialize: bool, with_norm: bool) -> Checked:
         """[found_inf]; without ``materialize``, read straight from the 16-bit
-        gradient buffers (and their sum of squares when ``with_norm``, kept in
-        ``state.grad_sumsq``)."""
+        gradient buffers (and their sum of squares when ``with_norm``)."""
         if materialize:
             for g in self.groups:
                 g.ready_fp32_grads()
-            return unscale_and_check([t for g in self.groups for t in g.fp32_grads()], scale)
+            found = unscale_and_check([t for g in self.groups for t in g.fp32_grads()], scale)
+            return Checked(found, materialized=True)
         device = self.groups[0].device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
         for g in self.groups:
-            grads = g.check_grads(materialized=False)
-            if self._native_check(grads, with_norm):
-                stats[0] += float(native.nonfinite(grads, 1.0 / scale))
-            else:
-                from . import kernels
-
-                kernel = kernels.compiled(kernels.grad_stats, with_norm=with_norm)
-                stats += kernel(grads, kernels.scalar(1.0 / scale, g.device)).to(device)
-        state.grad_sumsq = stats[1]
-        return stats[:1]
+            stats += check_flat(g.check_grads(materialized=False), scale, with_norm).to(device)
+        return Checked(stats[:1], materialized=False, grad_sumsq=stats[1] if with_norm else None)
 
     @staticmethod
-    def _native_check(grads: torch.Tensor, with_norm: bool) -> bool:
-        """Whether native.nonfinite checks these gradients: on CPU, without the norm (the
-        norm's sum keeps inductor's order of summation)."""
-        return not with_norm and native.handles(grads.device, grads.dtype, grads.dtype, "nearest")
+    def norm(checked: Checked) -> torch.Tensor:
+        """From the flat sum of squares the check found: summed in another order than
+        clip_grad_norm_'s per-tensor norms, so it can differ from theirs in the last
+        bits (docs/API.md, clipping; after ``unscale_()`` the store computes it as
+        clip_grad_norm_ does, from the fp32 gradients)."""
+        return checked.grad_sumsq.sqrt()
 
     def _native_adam(self, g, grad_dtype: torch.dtype) -> bool:
         """Whether native.adam_update steps this group's segments: its states rounded to
@@ -138,97 +197,39 @@ class FusedStep:
                 and (moments == (torch.float32, torch.float32) or (
                     self.state_rounding == "nearest" and native.handles_states(*moments))))
 
-    @staticmethod
-    def grad_norm(state) -> torch.Tensor:
-        """From the flat sum of squares the check found, which can differ from
-        clip_grad_norm_'s per-tensor norms in the last bits (the flat store computes it
-        from the fp32 gradients as the unfused step does after ``unscale_()``)."""
-        return state.grad_sumsq.sqrt()
-
-    def invalidate(self) -> None:
-        """The inner optimizer's state was replaced (load_state_dict): adopt it again."""
-        self._adopted_for = None
-
-    def _state_names(self, hyper: dict) -> tuple[str, ...]:
-        if self.is_sgd:
-            return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
-        return ("exp_avg", "exp_avg_sq")
-
-    def _state_key(self, master: torch.Tensor, hyper: dict):
-        """What a segment's parameters must share besides their param group: SGD,
-        whether the momentum buffer exists; Adam, the step count."""
-        state = self.optimizer.state.get(master, {})
-        if self.is_sgd:
-            return "momentum_buffer" in state
-        return float(state.get("step", 0.0))
-
-    def _adopt(self, pattern: tuple) -> None:
-        """Make the segments for the parameters that require grad now, and every state
-        tensor of theirs a view of a flat buffer, copying in what exists."""
-        state = self.optimizer.state
-        groups = self.optimizer.param_groups
-        self._segments.clear()
-        self._steps.clear()
-        for gi, g in enumerate(self.groups):
-            param_group = [segment.group_index for segment in g.segments for _ in segment.indices]
-            keys = [(pg, p.requires_grad, self._state_key(m, groups[pg]) if p.requires_grad else None)
-                    for pg, p, m in zip(param_group, g.params, g.master_views)]
-            segments = [s for s in runs(keys, g.layout) if s.key[1]]  # the parameters stepped
-            self._segments[gi] = segments
-            for si, segment in enumerate(segments):
-                hyper = groups[segment.group_index]
-                for name in self._state_names(hyper):
-                    key = (gi, name)
-                    if key not in self._flat_state:
-                        self._flat_state[key] = g.layout.empty(self.state_dtypes.get(name, torch.float32), g.device)
-                    views = g.layout.views(self._flat_state[key])
-                    for i in segment.indices:
-                        p, view = g.master_views[i], views[i]
-                        existing = state[p].get(name)
-                        if existing is not None and existing is not view:
-                            view.copy_(existing)
-                        if existing is not None or not self.is_sgd:
-                            state[p][name] = view
-                if not self.is_sgd:
-                    # Adam's per-parameter step counters, as views of one tensor per
-                    # segment (all equal: the segment's key), so that a step
-                    # increments them all with one add.
-                    steps = torch.full((len(segment.indices),), float(segment.key[2]), dtype=torch.float32)
-                    for k, i in enumerate(segment.indices):
-                        state[g.master_views[i]]["step"] = steps[k]
-                    self._steps[(gi, si)] = steps
-        self._adopted_for = pattern
-
-    def update(self, state, scale: float, clip_coef: torch.Tensor | None, noise: list,
+    def update(self, checked: Checked, scale: float, clip_coef: torch.Tensor | None, noise: list,
                rng: torch.Generator | None = None) -> None:
         """One kernel per segment: update, and write the new 16-bit weights (``scale``:
-        that of the step's gradients, unless ``state`` says they were unscaled); with
+        that of the step's gradients, unless ``checked`` says they were unscaled); with
         stochastically rounded 16-bit states, their noise drawn from ``rng``."""
-        pattern = tuple(p.requires_grad for g in self.groups for p in g.params)
-        if self._adopted_for != pattern:
-            self._adopt(pattern)
-        inv_scale = 1.0 if state.materialized else 1.0 / scale
+        if not self.state.holds():
+            self.state.adopt()
+        inv_scale = 1.0 if checked.materialized else 1.0 / scale
         self._state_noise, self._state_rng = {}, rng  # noise drawn as the kernels ask for it (_noise_of)
+        steps = {} if self.is_sgd else self.state.count_steps()
+        first = False
         for gi, g in enumerate(self.groups):
-            for si, segment in enumerate(self._segments[gi]):
+            for si, segment in enumerate(self.state.segments[gi]):
                 hyper = self.optimizer.param_groups[segment.group_index]
                 if self.is_sgd:
-                    self._sgd(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi], state.materialized)
+                    first |= self._sgd(gi, g, segment, hyper, inv_scale, clip_coef, noise[gi], checked.materialized)
                 else:
-                    self._adam(gi, si, g, segment, hyper, inv_scale, clip_coef, noise[gi], state.materialized)
+                    self._adam(gi, g, segment, hyper, steps[(gi, si)], inv_scale, clip_coef, noise[gi],
+                               checked.materialized)
+        if first:
+            self.state.forget()  # the momentum buffers made this step are the state: adopt them next step
 
     def _slices(self, gi, g, segment, names, noise, materialized):
         s = segment.range
         b = g.kernel_buffers(s, materialized)
         extras = (noise[s] if noise is not None else None, b.comp)
-        return b.weights, b.grad, b.master, [self._flat_state[(gi, n)][s] for n in names], extras
+        return b.weights, b.grad, b.master, [self.state.buffers[(gi, n)][s] for n in names], extras
 
     def _noise_of(self, gi, segment, names) -> list:
         """The stochastic rounding noise of each of ``names``' 16-bit states over
         ``segment`` (None where a state is rounded to nearest or fp32). A group's noise
         for a state is drawn, over the whole group, when a kernel first steps that state
-        in this step: none for a state no kernel steps (``max_exp_avg_sq``, which the
-        fused step never keeps; SGD's momentum at ``momentum=0``)."""
+        in this step: none for a state no kernel steps (SGD's momentum at ``momentum=0``)."""
         if self.state_rounding != "stochastic":
             return [None] * len(names)
         out = []
@@ -242,29 +243,27 @@ class FusedStep:
             out.append(self._state_noise[(gi, n)][segment.range])
         return out
 
-    def _sgd(self, gi, g, segment, hyper, inv_scale, clip_coef, noise, materialized) -> None:
-        from .kernels import compiled, scalar, sgd_update
+    def _sgd(self, gi, g, segment, hyper, inv_scale, clip_coef, noise, materialized) -> bool:
+        """One SGD segment; returns whether it made the segment's momentum buffers."""
+        from .kernels import compiled, sgd_update
 
         dev = g.device
-        momentum = hyper["momentum"]
-        names = self._state_names(hyper)
-        state = self.optimizer.state
-        first = bool(names) and "momentum_buffer" not in state[g.master_views[segment.indices[0]]]
+        names = self.state.names(hyper)
+        first = bool(names) and not segment.key[2]
         weights, grad, master, bufs, (noise, comp) = self._slices(gi, g, segment, names, noise, materialized)
         buf_noise = self._noise_of(gi, segment, names)[0] if names else None
         compiled(sgd_update, **self._sgd_flags(hyper, master is not None, first, g.kernel_rounding(self.rounding)))(
             weights, grad, master, bufs[0] if bufs else None, noise, comp, scalar(inv_scale, dev),
             scalar(1.0, dev) if clip_coef is None else clip_coef, scalar(_value(hyper["lr"]), dev),
-            scalar(hyper["weight_decay"], dev), scalar(momentum, dev), scalar(1 - hyper["dampening"], dev), buf_noise)
+            scalar(hyper["weight_decay"], dev), scalar(hyper["momentum"], dev), scalar(1 - hyper["dampening"], dev),
+            buf_noise)
         if first:
-            views = g.layout.views(self._flat_state[(gi, "momentum_buffer")])
+            state = self.optimizer.state
             for i in segment.indices:
-                state[g.master_views[i]]["momentum_buffer"] = views[i]
+                state[g.master_views[i]]["momentum_buffer"] = self.state._view(gi, "momentum_buffer", i)
+        return first
 
-    def _adam(self, gi, si, g, segment, hyper, inv_scale, clip_coef, noise, materialized) -> None:
-        steps = self._steps[(gi, si)]
-        steps += 1
-        step = float(steps[0])
+    def _adam(self, gi, g, segment, hyper, step, inv_scale, clip_coef, noise, materialized) -> None:
         lr, (beta1, beta2), wd, eps = _value(hyper["lr"]), hyper["betas"], hyper["weight_decay"], hyper["eps"]
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
@@ -283,7 +282,7 @@ class FusedStep:
                                clip_coef=1.0 if clip_coef is None else float(clip_coef), **scalars,
                                **{k: v for k, v in flags.items() if k not in ("has_master", "rounding")})
             return
-        from .kernels import adam_apply, adam_moments, adam_update, compiled, scalar
+        from .kernels import adam_apply, adam_moments, adam_update, compiled
 
         dev = g.device
         inv_scale, clip_coef = scalar(inv_scale, dev), scalar(1.0, dev) if clip_coef is None else clip_coef
@@ -321,17 +320,17 @@ class FusedStep:
                     decoupled=bool(hyper.get("decoupled_weight_decay", False)), maximize=bool(hyper["maximize"]),
                     lerp_low=abs(1 - hyper["betas"][0]) < 0.5, rounding=rounding)
 
-    def prepare(self, fp32_grads: bool = False, with_norm: bool = False) -> None:
-        """Compile every kernel variant the next step needs, on scratch tensors, so
-        that a compile failure shows before any real buffer is written: with
+    # ------------------------------------------------------------------ the kernels' build
+
+    def variants(self, fp32_grads: bool, with_norm: bool) -> dict:
+        """The kernels the next step needs, ``{key: build}`` (``build()`` compiles or
+        loads one on scratch tensors): the overflow check for each gradient dtype it
+        reads (with ``with_norm``, also the variant that sums the squares for the
+        norm), and each param group's update as its hyper-parameters are now; with
         ``fp32_grads``, also the variants that read the fp32 gradients ``unscale_()``
-        makes; with ``with_norm``, also the overflow check that sums the squares for
-        the norm (FP16Optimizer prepares again when a later step first needs either).
-        The scratch sizes do not matter: ``kernels.compiled`` compiles every kernel on
-        examples of one size. The native kernels are one library, built (or loaded
-        from disk) by the first variant that needs it."""
-        numel = 64
-        seen = set()  # a param group split into several segments needs its kernels once
+        makes. A key names what the kernel depends on, so that a step needs a build only
+        where a key is new (a hyper-parameter changed, or a step first clips)."""
+        out = {}
         for g in self.groups:
             dev, dtype = g.device, g.dtype
             # The dtypes of the gradients the kernels read: 16-bit, or the fp32 sum or the
@@ -340,30 +339,28 @@ class FusedStep:
                 (dtype, torch.float32) if fp32_grads else (dtype,))
             for norm in (False, True) if with_norm else (False,):
                 for grad_dtype in grad_dtypes:
-                    grads = torch.zeros(numel, dtype=grad_dtype, device=dev)
-                    if self._native_check(grads, norm):
-                        native.load()
-                    else:
-                        from .kernels import compiled, grad_stats, scalar
-
-                        compiled(grad_stats, with_norm=norm)(grads, scalar(1.0, dev))
+                    native_check = flat_check_is_native(dev, grad_dtype, norm)
+                    out[("check", dev, grad_dtype, norm, native_check)] = functools.partial(
+                        prepare_flat_check, dev, grad_dtype, norm)
+            rounding = g.kernel_rounding(self.rounding)
             for segment in g.segments:
                 hyper = self.optimizer.param_groups[segment.group_index]
-                rounding = g.kernel_rounding(self.rounding)
                 flags = (self._sgd_flags(hyper, g.has_master, False, rounding) if self.is_sgd
                          else self._adam_flags(hyper, g.has_master, rounding))
-                if (dev, dtype, tuple(flags.items())) in seen:
-                    continue
-                seen.add((dev, dtype, tuple(flags.items())))
                 for grad_dtype in grad_dtypes:
                     if self._native_adam(g, grad_dtype):
-                        native.load()
-                    else:
-                        self._prepare_compiled(g, hyper, flags, grad_dtype, numel)
+                        out[("native",)] = native.load
+                        continue
+                    key = ("update", dev, dtype, grad_dtype, tuple(flags.items()),
+                           self._two_passes(g, hyper, self.state_dtypes))
+                    out[key] = functools.partial(self._prepare_compiled, g, hyper, flags, grad_dtype)
+        return out
 
-    def _prepare_compiled(self, g, hyper: dict, flags: dict, grad_dtype: torch.dtype, numel: int) -> None:
-        """Compile the inductor kernels of one segment's step, on scratch tensors."""
-        from .kernels import adam_apply, adam_moments, adam_update, compiled, scalar, sgd_update
+    def _prepare_compiled(self, g, hyper: dict, flags: dict, grad_dtype: torch.dtype, numel: int = 64) -> None:
+        """Compile the inductor kernels of one segment's step, on scratch tensors (the
+        scratch size does not matter: ``kernels.compiled`` compiles every kernel on
+        examples of one size)."""
+        from .kernels import adam_apply, adam_moments, adam_update, compiled, sgd_update
 
         dev, dtype, rounding = g.device, g.dtype, flags["rounding"]
         one = scalar(1.0, dev)

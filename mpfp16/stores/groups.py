@@ -216,7 +216,8 @@ class ParamGroup:
         self.half = self.dtype in HALF_DTYPES
         self.transient = self.half and (not master_weights or master_weights == "remainder")
         self.accumulating = accumulate and self.half
-        self.segments = runs([(group_of[id(p)],) for p in self.params], self.layout)
+        self.param_groups = [group_of[id(p)] for p in self.params]  # each parameter's param group index
+        self.segments = runs([(pg,) for pg in self.param_groups], self.layout)
         self.comp = self.layout.empty(self.dtype, self.device) if kahan and self.half else None
         # Zero: a bf16 weight is an fp32 value whose lower 16 bits are zero.
         self.remainder = (self.layout.empty(torch.int16, self.device) if master_weights == "remainder" and self.half

@@ -1,32 +1,39 @@
-"""The interface every parameter store implements, and the arithmetic they share.
+"""The interface every parameter store implements: the few verbs a step needs.
 
 A store is where the parameters an :class:`mpfp16.FP16Optimizer` steps live, with
-their gradients and fp32 masters. The optimizer runs the step's phases in its fixed
-order and asks the store for each one that depends on the layout:
+their gradients, their fp32 masters and the inner optimizer's state. The optimizer
+runs the step's phases in its fixed order (mpfp16/optimizer.py) and asks the store,
+through these verbs alone, for each part that depends on the layout:
 
-Each phase is handed the step's state (:class:`mpfp16.step_state.StepState`), where a
-store keeps what it learns in one phase for a later one.
-
-``check_ready()``
-    phase 1, the store's part: raise if a parameter left its storage; re-read the
-    master of a weight written from outside; reattach replaced gradients.
-``unscale(state, scale, materialize, with_norm) -> found_inf``
-    phase 2: fp32 gradients = 16-bit gradients / scale, and a float tensor whose
-    first element is 1.0 when a gradient holds inf or NaN. ``materialize`` asks for
-    the unscaled fp32 gradients in the masters' ``.grad`` (``unscale_()`` does).
-``grad_norm(state) -> Tensor``
-    phase 4: the global 2-norm of the unscaled gradients of the parameters stepped
-    this step, reduced over ``group``.
-``update(state, scale, clip_coef, rng)`` and ``copy_back()``
+``check(fp32_grads, with_norm, group, agree) -> bool | None``
+    phase 1: raise (one line) where the step may not read its gradients or step its
+    state: a parameter left its storage, a state tensor of the inner optimizer is not
+    one it can step; re-read the master of a weight written from outside; make ready
+    (and agree across ``group``) the kernels the step needs. Returns whether a
+    gradient reached the parameters, where the store can tell by looking (None: the
+    optimizer's backward hook tells).
+``unscale(scale, materialize, with_norm) -> Checked``
+    phase 2: the gradients divided by the loss scale, and whether any is inf or NaN;
+    ``materialize`` asks for the unscaled fp32 gradients in the masters' ``.grad``
+    (``FP16Optimizer.unscale_()``).
+``norm(checked) -> Tensor``
+    phase 4: the global 2-norm of the unscaled gradients of the parameters stepped.
+``update(checked, scale, clip_coef, rng)``, ``copy_back()``
     phases 5 and 6: the inner optimizer's arithmetic on the fp32 values, then the
-    new 16-bit weights.
-``nonfinite_grads(state, limit, before_unscale)``
-    after a step found an overflow, and only then: which parameters' gradients, as
-    the step read them, hold inf or NaN (:func:`find_nonfinite`, the one scan every
-    store uses), for ``FP16Optimizer.last_overflow``.
-``zero_grad(set_to_none)``, ``skip()``, ``copy_masters_to_model()``,
-``memory()``, ``state()`` / ``check_state()`` / ``load_state()``
-    the rest of the optimizer's surface that depends on where the tensors are.
+    16-bit weights from them. ``copy_back()`` outside a step copies the masters into
+    the model (code that stepped the inner optimizer itself).
+``zero(set_to_none)``
+    the gradients zeroed, and what a step holds freed (after a skipped step too).
+``overflow(checked, limit, before_unscale) -> [(index, nans, infs)]``
+    after a step found an overflow: which parameters' gradients hold inf or NaN.
+``accumulate(first)``
+    fp32 accumulation: after a backward, its 16-bit gradients into the fp32 sums.
+``state_out()``, ``state_in(entries, legacy, load_inner)``, ``memory()``
+    the per-parameter state (mpfp16/state_format.py's form) out and in; the bytes held.
+
+It also says what it is, in attributes it sets once (:class:`ParamStore`). A store is
+chosen from the parameters (:meth:`ParamStore.claims`) by mpfp16/stores/build.py's
+registry: a new store is one file with its subclass and one line there.
 
 Every parameter the inner optimizer holds belongs to the store, frozen or not. A
 parameter is stepped in a step when it requires grad at that step, as torch's
@@ -37,80 +44,80 @@ mid-run stops moving (its momentum is not applied).
 
 from __future__ import annotations
 
-from collections import defaultdict
+import dataclasses
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..parallel.fsdp_shim import is_sharded
-
-__all__ = ["ParamStore", "inv_scale_tensor", "unscale_and_check", "find_nonfinite", "total_norm", "storage_bytes",
-           "whole"]
+__all__ = ["ParamStore", "StoreOptions", "Checked", "HiddenGradients", "storage_bytes", "total_norm"]
 
 
-def inv_scale_tensor(scale: float, device: torch.device) -> torch.Tensor:
-    """1/scale as GradScaler computes it: the reciprocal in double, rounded to fp32;
-    ``torch.full`` fills on the device, where ``torch.tensor`` would copy and wait."""
-    return torch.full((), 1.0 / scale, dtype=torch.float32, device=device)
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """What FP16Optimizer asks of its store (its arguments of the same names)."""
+
+    master_weights: bool | str = True
+    rounding: str = "nearest"
+    accumulate: bool = False
+    fused: bool | None = None
+    state_dtypes: dict = dataclasses.field(default_factory=dict)
+    state_rounding: str = "nearest"
+    model: torch.nn.Module | None = None
+    process_group: object = None
+    reduce_overflow: bool = True
+    labels: tuple[str, ...] = ()  # each parameter's name in messages ("fc.weight", "param 3 [64, 32]")
 
 
-def _by_device(items, tensor_of) -> dict:
-    """``items`` by the device of ``tensor_of(item)``, each list in the given order."""
-    by_device: dict[torch.device, list] = defaultdict(list)
-    for item in items:
-        by_device[tensor_of(item).device].append(item)
-    return by_device
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What a store's :meth:`ParamStore.unscale` found, handed back to its later phases.
+
+    Attributes:
+        found_inf: [1.0] when a gradient holds inf or NaN, else [0.0] (fp32, on the
+            device; the optimizer reduces it across ranks and reads it once).
+        materialized: the unscaled fp32 gradients were written into the masters' ``.grad``.
+        grad_sumsq: the sum of squares of the unscaled gradients, where the check
+            found it in passing (the fused step), else None.
+    """
+
+    found_inf: torch.Tensor
+    materialized: bool = False
+    grad_sumsq: torch.Tensor | None = None
 
 
-def unscale_and_check(grads: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """``grads /= scale`` in place, and whether any value is inf/NaN, in one pass per
-    tensor (GradScaler's own kernel). Returns [flag] as an fp32 tensor on the first
-    tensor's device (1.0: found)."""
-    found = []
-    for device, tensors in _by_device(grads, lambda t: t).items():
-        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale_tensor(scale, device).view(1))
-        found.append(found_inf)
-    if not found:
-        return torch.zeros(1, dtype=torch.float32)
-    first = found[0]
-    for other in found[1:]:
-        first += other.to(first.device)
-    return first
+class HiddenGradients:
+    """While hidden (``with HiddenGradients(tensors):``, or between :meth:`hide` and
+    :meth:`restore`), ``tensors`` have no ``.grad``, so a torch optimizer's step leaves
+    them, their momentum and their step counters alone, as it leaves a parameter without
+    a gradient: how a store steps only the parameters that require grad now, or a chunk
+    of them. Their gradients are back after, whatever the step raised."""
 
+    def __init__(self, tensors) -> None:
+        self.tensors = list(tensors)
+        self._hidden: list = []
 
-def find_nonfinite(pairs, limit: int) -> list[tuple[int, int, int]]:
-    """``(index, NaN count, inf count)`` for the ``limit`` smallest indices of ``pairs``
-    (``(index, gradient tensor)``; None or empty tensors are passed over) whose tensor
-    holds NaN or inf, in increasing index order. Meant for a step already found to
-    overflow: one read of every tensor (its minimum and maximum, which are NaN, -inf
-    or inf where it holds any: no temporary, unlike ``abs().max()``) and one host read
-    per device find which hold non-finite values; only those reported are then
-    counted, with one more host read per device."""
-    items = sorted(((i, t) for i, t in pairs if t is not None and t.numel()), key=lambda item: item[0])
-    flagged = []
-    for device_items in _by_device(items, lambda item: item[1]).values():
-        ends = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in device_items])
-        bad = (~torch.isfinite(ends).all(dim=1)).tolist()
-        flagged += [item for item, b in zip(device_items, bad) if b]
-    flagged = sorted(flagged, key=lambda item: item[0])[:limit]
-    found = []
-    for device_items in _by_device(flagged, lambda item: item[1]).values():
-        counts = torch.stack([torch.stack([torch.count_nonzero(t.isnan()), torch.count_nonzero(t.isinf())])
-                              for _, t in device_items]).tolist()
-        found += [(i, nans, infs) for (i, _), (nans, infs) in zip(device_items, counts)]
-    return sorted(found)
+    def hide(self) -> None:
+        self._hidden = [(t, t.grad) for t in self.tensors if t.grad is not None]
+        for t, _ in self._hidden:
+            t.grad = None
+
+    def restore(self) -> None:
+        for t, grad in self._hidden:
+            t.grad = grad
+        self._hidden = []
+
+    def __enter__(self) -> HiddenGradients:
+        self.hide()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of ``grads`` as ``clip_grad_norm_`` computes it (per-tensor norms,
     then their norm), so that clipping matches it bit for bit."""
     return torch.nn.utils.get_total_norm(grads, 2.0)
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """``t`` whole: a DTensor gathered (a collective over its mesh), a tensor as it is."""
-    return t.full_tensor() if is_sharded(t) else t
 
 
 def _plain_parts(t: torch.Tensor):
@@ -141,166 +148,119 @@ def storage_bytes(tensors) -> int:
 
 
 class ParamStore:
-    """The interface (module docstring): every member that the optimizer, the
-    gradient exchange and the checkpoints use is declared here, so that a store is
-    whole without probing. Subclasses set the attributes below.
+    """The interface (module docstring). Subclasses set these attributes when built,
+    and implement the verbs.
 
     Attributes:
-        kind: ``"flat"``, ``"per-tensor"`` or ``"sharded"``.
+        kind: ``"flat"``, ``"per-tensor"`` or ``"sharded"``: a record (logs, the
+            state_dict), never a branch.
+        description: one line for the log: which store, and why.
         params: every parameter the inner optimizer holds, in its order.
         stepped: what the inner optimizer steps in their place (a master, or the
             parameter itself), in the same order.
-        group: the process group over which the overflow flag and the norm are
-            reduced (None: the optimizer's ``process_group``).
-        has_fp16: whether any computation is in fp16 (``loss_scale="dynamic"``
-            scales only then).
+        dtypes: per parameter, the dtype the model holds it in as the state_dict
+            records it (``"float16"``); None where the model holds another than it
+            computes in (a sharded model's fp32 shards).
         compute_dtype: the 16-bit dtype the model computes in: float16 where any
             parameter is fp16, else bfloat16 where any is, else float32 (a sharded
             model's: FSDP2's ``param_dtype``).
-        has_half: whether any parameter is 16-bit (so masters mean anything).
-        accumulates: the store sums the micro-batches' 16-bit gradients in fp32
-            (``accumulate_dtype=torch.float32``).
+        has_half: whether any parameter is 16-bit (so that masters mean anything).
         device: where the optimizer's small tensors (its rounding generator) live.
+        group: the process group over which the overflow flag and the norm are
+            reduced (None: the optimizer's ``process_group``).
+        fused: whether steps run mpfp16's fused kernels now.
+        hooks_gradients: autograd's hooks on ``params`` see their gradients arrive.
+        shards_gradients: each rank holds a part of every gradient (their counts
+            of inf/NaN add up across ranks).
+        accumulates: the store sums the micro-batches' 16-bit gradients in fp32.
+        sums: ``(parameter, its fp32 sum)`` for each summed gradient (the gradient
+            exchange finds them by parameter).
+        no_gradient: the store's words for a step that no backward pass reached.
+        noun, limits: the options this kind of store cannot take, each with why
+            (mpfp16.options.check_options refuses them in one line, in the caller's words).
     """
 
     kind = "abstract"
+    noun = "this store"  # in option refusals: "fused=True is not possible for a sharded model: ..."
+    limits: dict = {}  # the options it cannot take ("fused", "accumulate_dtype", ...): why not, given ``say``
+    description = ""
     group = None
-    shards_gradients = False  # each rank holds a part of every gradient (their counts add up across ranks)
-    hooks_gradients = True  # autograd's hooks on ``params`` see their gradients arrive
+    fused = False
+    hooks_gradients = True
+    shards_gradients = False
     accumulates = False
+    has_half = False
+    compute_dtype = torch.float32
+    device = torch.device("cpu")
+    no_gradient = ("step() was called but no backward pass reached the parameters since the last step(): call "
+                   "opt.backward(loss) first")
 
     def __init__(self) -> None:
         self.params: list[torch.Tensor] = []
         self.stepped: list[torch.Tensor] = []
-        self.has_fp16 = False
-        self.has_half = False
-        self.compute_dtype = torch.float32
-        self.device = torch.device("cpu")
+        self.dtypes: list[str | None] = []
+        self.sums: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    # ---------------------------------------------------------------- what it refuses
+    # ---------------------------------------------------------------- choosing one
 
     @classmethod
-    def refusal(cls, *, process_group, model) -> str | None:
-        """Why an optimizer cannot be built over this kind of store with this model and
-        group, in one line, or None (mpfp16.options.check_options says what the
-        options alone refuse)."""
+    def claims(cls, params: list[torch.Tensor]) -> bool:
+        """Whether this kind of store holds ``params`` (the registry asks the kinds in
+        order and takes the first that does)."""
+        raise NotImplementedError
+
+    @classmethod
+    def refusal(cls, optimizer: torch.optim.Optimizer, options: StoreOptions) -> str | None:
+        """Why this kind of store cannot hold ``optimizer``'s parameters with these
+        options, in one line, or None (mpfp16.options.check_options says what the
+        options alone refuse). Asked before anything is built."""
         return None
 
-    def fused_unsupported(self) -> str | None:
-        """Why mpfp16's fused step cannot run over this store, or None."""
-        return "this store has no fused step"
+    # ---------------------------------------------------------------- the verbs
 
-    @property
-    def fused(self) -> bool:
-        return False
-
-    def use_fused(self, requested: bool) -> None:
-        """Step with mpfp16's fused kernels (only where :meth:`fused_unsupported` is None)."""
+    def check(self, *, fp32_grads: bool, with_norm: bool, group=None, agree: bool = True) -> bool | None:
         raise NotImplementedError
 
-    def explain(self) -> str:
-        """One line for the log: which store, and why."""
-        return self.kind
-
-    # ---------------------------------------------------------------- the phases
-
-    def check_ready(self) -> None:
+    def unscale(self, scale: float, *, materialize: bool, with_norm: bool) -> Checked:
         raise NotImplementedError
 
-    def gradients_present(self) -> bool | None:
-        """Whether a gradient reached the parameters, when the store can tell by
-        looking (None: the optimizer's backward hooks tell)."""
-        return None
-
-    def no_gradient_message(self) -> str:
-        return ("step() was called but no backward pass reached the parameters since the last step(): call "
-                "opt.backward(loss) first")
-
-    def prepare(self, fp32_grads: bool, with_norm: bool = False, group=None, agree: bool = True) -> None:
-        """Make ready what the step needs before it writes anything (compile, agreed
-        across the ranks of ``group`` unless ``agree`` is False); with ``with_norm``,
-        what a step that computes the gradient norm needs too."""
-
-    def use_unfused(self) -> None:
-        """After a failed compile: take the unfused step from now on."""
-
-    def zero_grad(self, set_to_none: bool) -> None:
+    def norm(self, checked: Checked) -> torch.Tensor:
         raise NotImplementedError
 
-    # fp32 accumulation (``accumulates``): the optimizer opens the sums at the first
-    # backward of a step and adds each backward's gradients in; the gradient exchange
-    # finds them by parameter (mpfp16.parallel.accumulation), registered by the optimizer.
-
-    def sum_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(parameter, its fp32 sum)`` for every parameter whose gradients are summed."""
-        return []
-
-    def open_sums(self) -> None:
-        """The first backward of a step: the fp32 sums start at zero."""
-
-    def accumulate(self) -> None:
-        """After a backward: the fresh 16-bit gradients into the fp32 sums, and zeroed."""
-
-    def unscale(self, state, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
-        """Phase 2: fp32 gradients = gradients / ``scale`` and [found_inf]; what the
-        store learns on the way goes into ``state`` (a :class:`mpfp16.step_state.StepState`)."""
-        raise NotImplementedError
-
-    def grad_norm(self, state) -> torch.Tensor:
-        raise NotImplementedError
-
-    def update(self, state, scale: float, clip_coef: torch.Tensor | None, rng: torch.Generator) -> None:
+    def update(self, checked: Checked, scale: float, clip_coef: torch.Tensor | None, rng: torch.Generator) -> None:
         raise NotImplementedError
 
     def copy_back(self) -> None:
         raise NotImplementedError
 
-    def nonfinite_grads(self, state, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
+    def zero(self, set_to_none: bool) -> None:
+        raise NotImplementedError
+
+    def overflow(self, checked: Checked | None, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
         """``(index in params, NaN count, inf count)`` of the first ``limit``
         parameters (in ``params`` order) whose gradient holds inf or NaN, as the step's
-        :meth:`unscale` read it (:func:`find_nonfinite`); with ``before_unscale``, as
-        an unscale would read it now (mpfp16.compat.apex finds overflows before it
-        unscales). Called only once a step was found to overflow, before the gradients
-        are zeroed; this rank's gradients alone (a sharded store's: its shards)."""
+        :meth:`unscale` read it (``checked``); with ``before_unscale``, as an unscale
+        would read it now (mpfp16.compat.apex finds overflows before it unscales). This
+        rank's gradients alone (a sharded store's: its shards)."""
         raise NotImplementedError
 
-    def skip(self) -> None:
-        """After a skipped step (the gradients were zeroed): free what a step holds."""
+    def accumulate(self, first: bool) -> None:
+        """After a backward (``first``: the step's first): its fresh 16-bit gradients
+        added into the fp32 sums, which the first opens at zero, and zeroed."""
 
-    def copy_masters_to_model(self) -> None:
-        """Round the fp32 masters into the 16-bit model now."""
-
-    def invalidate(self) -> None:
-        """The inner optimizer's state was replaced (``load_state_dict``)."""
-
-    # ---------------------------------------------------------------- memory and state
-
-    def memory(self) -> dict[str, float]:
-        raise NotImplementedError
-
-    def param_state(self) -> list[dict]:
+    def state_out(self) -> list[dict]:
         """Per parameter, in ``params`` order, its part of the state_dict
         (mpfp16/state_format.py): ``{"master": its fp32 value or None}``, and
         ``"compensation"`` where Kahan rounding keeps one."""
         raise NotImplementedError
 
-    def saved_dtypes(self) -> list[str | None]:
-        """Per parameter, the dtype the model holds it in, as the state_dict records
-        it (``"float16"``); None where the model holds another than it computes in (a
-        sharded model's fp32 shards)."""
-        return [str(p.dtype).replace("torch.", "") for p in self.params]
-
-    def check_state(self, entries: list[dict], legacy: dict) -> None:
-        """Raise ValueError (one line) where the saved per-parameter ``entries`` (in
-        ``params`` order) do not fit this store; ``legacy``: what a state of an earlier
-        form kept per store (a Kahan compensation buffer per group)."""
-
-    def like_stepped(self, index: int, t: torch.Tensor) -> torch.Tensor:
-        """A saved tensor of parameter ``index``'s shape (the inner optimizer's state),
-        plain or a DTensor, as this store steps it."""
+    def state_in(self, entries: list[dict], legacy: dict, load_inner) -> None:
+        """Load a state_dict's per-parameter ``entries`` (in ``params`` order) and,
+        through ``load_inner(like)``, the inner optimizer's state, each saved tensor
+        made ``like(index, tensor)``, as this store steps it. Raise ValueError (one
+        line) before anything is loaded where they do not fit; ``legacy``: what a
+        state of an earlier form kept per store (a Kahan compensation per group)."""
         raise NotImplementedError
 
-    def load_state(self, entries: list[dict], legacy: dict) -> None:
-        """Take the saved masters, whichever store saved them, and make the model's
-        weights agree with them."""
+    def memory(self) -> dict[str, float]:
         raise NotImplementedError

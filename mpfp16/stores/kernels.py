@@ -39,17 +39,11 @@ import torch._inductor.config
 from torch._inductor import inductor_prims
 
 from .. import inductor
-from ..rounding import read_weights, write_state, write_weights
+from ..rounding import read_weights, scalar, write_state, write_weights
 
 logger = logging.getLogger("mpfp16")
 
 __all__ = ["sgd_update", "adam_update", "adam_moments", "adam_apply", "grad_stats", "compiled", "scalar"]
-
-
-def scalar(value: float, device: torch.device) -> torch.Tensor:
-    """A Python double as eager kernels see it: rounded to fp32. ``torch.full`` fills
-    on the device, where ``torch.tensor`` would copy from the host and wait."""
-    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def _fma(a, b, c):

@@ -7,46 +7,58 @@ model that DDP already holds): those stay where they are, in groups of their own
 the same numbers bit for bit; the cost is a foreach copy over the tensors where a flat
 group makes one copy, and no fused step.
 
-The step is the inner optimizer's own ``step()`` over the masters, or, after
-:meth:`LocalStore.use_fused`, mpfp16's fused kernels (mpfp16/stores/fused.py), the
-flat store's backend. The store also owns their compile, and the agreement across
-ranks about it (:meth:`LocalStore.prepare`): a compile can fail on one rank only, and
-every rank must then take the same path.
+The step is the inner optimizer's own ``step()`` over the masters, or mpfp16's fused
+kernels (mpfp16/stores/fused.py), the flat store's backend, chosen when the store is
+built (:func:`mpfp16.stores.fused.choose_fused`). The store also owns their compile,
+and the agreement across ranks about it (:meth:`LocalStore.check`): a compile can fail
+on one rank only, and every rank must then take the same path. Either step steps the
+inner optimizer's own state, checked first by mpfp16/stores/state_rules.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
 import torch
 
 from .. import flat_buffers
-from ..errors import FusedStepUnavailable, compile_errors, one_line
+from ..errors import FusedStepUnavailable, compile_errors, dtype_name, one_line
+from ..parallel.fsdp_shim import is_sharded, whole
 from ..parallel.ranks import failures, is_main_process
+from .fused import FusedStep, choose_fused, unsupported_reason
 from .groups import ParamGroup
+from .interface import Checked, HiddenGradients, ParamStore, StoreOptions, storage_bytes, total_norm
+from .nonfinite import find_nonfinite, unscale_and_check
 from .state_dtypes import StateKeeper
-from .interface import ParamStore, find_nonfinite, storage_bytes, total_norm, unscale_and_check, whole
+from .state_rules import settle, state_problem
 
-__all__ = ["LocalStore", "build_local_store"]
+__all__ = ["LocalStore"]
 
 logger = logging.getLogger("mpfp16")
 
 
-@contextlib.contextmanager
-def _frozen_skipped(stepped: list[torch.Tensor], params: list[torch.Tensor]):
-    """Inside: the masters of parameters that do not require grad now have no
-    ``.grad``, so the inner optimizer leaves them, their momentum and their step
-    counters alone, as it leaves a parameter without a gradient."""
-    hidden = [(m, m.grad) for m, p in zip(stepped, params) if not p.requires_grad and m.grad is not None]
-    for m, _ in hidden:
-        m.grad = None
-    try:
-        yield
-    finally:
-        for m, grad in hidden:
-            m.grad = grad
+def _place(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], options: StoreOptions):
+    """``params`` (every parameter ``optimizer`` holds, in its order) in groups: flat
+    where every one is, or can be, in a flat buffer; else those that cannot move stay
+    where they are, in groups of their own. Parameters of one (device, dtype) fill whole
+    buffers: those that :func:`mpfp16.to_half` made are adopted as they are, the rest
+    move into new ones. Returns the groups and why some stay (None: none does)."""
+    group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    kahan, accumulate = options.rounding == "kahan", options.accumulate
+    groups: list[ParamGroup] = []
+    why = None
+    for ps in flat_buffers.by_key(params).values():
+        try:
+            placed = flat_buffers.place(ps)
+        except flat_buffers.NotMovable as exc:
+            why = "DistributedDataParallel (or another gradient hook) already holds them"
+            logger.debug("%s", exc)
+            groups += [ParamGroup.per_tensor(sub, options.master_weights, group_of, kahan, accumulate)
+                       for sub in flat_buffers.by_key(ps, frozen_apart=True).values()]
+            continue
+        groups += [ParamGroup.flat(fp, options.master_weights, group_of, kahan, accumulate) for fp in placed]
+    return groups, why
 
 
 class LocalStore(ParamStore):
@@ -55,80 +67,116 @@ class LocalStore(ParamStore):
     Args:
         optimizer: the inner optimizer.
         params: every parameter it holds, in its order.
-        groups: the groups those parameters were placed in (:func:`build_local_store`).
-        rounding: without master weights, how new weights are rounded to 16 bits.
-        why: why some parameters stay where they are (a per-tensor store), or None.
+        options: what FP16Optimizer asks of it.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], groups: list[ParamGroup],
-                 rounding: str, why: str | None = None, state_dtypes: dict | None = None,
-                 state_rounding: str = "nearest") -> None:
+    @classmethod
+    def claims(cls, params: list[torch.Tensor]) -> bool:
+        return not any(is_sharded(p) for p in params)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], options: StoreOptions) -> None:
         super().__init__()
-        self.optimizer, self.groups, self.rounding, self.why = optimizer, groups, rounding, why
-        self.state_dtypes, self.state_rounding = dict(state_dtypes or {}), state_rounding
-        self._keeper = StateKeeper(optimizer, self.state_dtypes, state_rounding) if self.state_dtypes else None
+        groups, self._why = _place(optimizer, params, options)
+        self.optimizer, self.groups, self.rounding = optimizer, groups, options.rounding
+        self.state_dtypes, self.state_rounding = dict(options.state_dtypes), options.state_rounding
+        self._keeper = StateKeeper(optimizer, self.state_dtypes, self.state_rounding) if self.state_dtypes else None
         self.kind = "per-tensor" if any(g.side.per_tensor for g in groups) else "flat"
         self.accumulates = any(g.accumulating for g in groups)
         self.params = list(params)
         to_master = {id(p): m for g in groups for p, m in zip(g.params, g.master_views)}
         self.stepped = [to_master[id(p)] for p in params]
-        self.has_fp16 = any(p.dtype == torch.float16 for p in params)
+        self.dtypes = [dtype_name(p.dtype) for p in params]
+        self.labels = list(options.labels) or [f"param {i} {list(p.shape)}" for i, p in enumerate(params)]
         self.compute_dtype = next((d for d in (torch.float16, torch.bfloat16) if any(p.dtype == d for p in params)),
                                   torch.float32)
         self.has_half = any(g.half for g in groups)
         self.device = groups[0].device
-        self._fused = None
+        self.sums = [(p, s) for g in groups if g.accumulating for p, s in zip(g.params, g.sum_views())]
+        self.description = self._describe()
         self._noise: list = [None] * len(groups)
-        self._prepared: set[tuple[bool, bool]] = set()  # (fp32_grads, with_norm) the kernels are compiled for
-        self._fused_requested = False
+        self._pending: str | None = None  # what the last update() left copy_back() to do
+        self._ready: set = set()  # the fused kernels built (FusedStep.variants' keys)
+        self._fused = None
+        self._fused_requested = options.fused is True
+        store_reason = ("its parameters are not in flat buffers (they could no longer move: build FP16Optimizer "
+                        "before DDP)") if self.kind == "per-tensor" else None
+        if choose_fused(optimizer, sum(p.numel() for p in params), options.fused, store_reason):
+            self._fused = FusedStep(optimizer, groups, self.rounding, self.state_dtypes, self.state_rounding)
 
-    @property
-    def numel(self) -> int:
-        return sum(g.layout.numel for g in self.groups)
-
-    def explain(self) -> str:
+    def _describe(self) -> str:
         if self.kind == "per-tensor":
             stay = sum(len(g.params) for g in self.groups if g.side.per_tensor)
             return (f"per-tensor store: {stay} of {len(self.params)} parameters stay where they are, because "
-                    f"{self.why}; foreach ops over the tensors, the same numbers as flat buffers")
+                    f"{self._why}; foreach ops over the tensors, the same numbers as flat buffers")
         n = len(self.groups)
         return f"flat store: {len(self.params)} parameters in {n} flat buffer{'s' * (n != 1)}"
-
-    # ---------------------------------------------------------------- the fused step
-
-    def fused_unsupported(self) -> str | None:
-        if self.kind == "per-tensor":
-            return "its parameters are not in flat buffers (they could no longer move: build FP16Optimizer before DDP)"
-        return None
 
     @property
     def fused(self) -> bool:
         return self._fused is not None
 
-    def use_fused(self, requested: bool) -> None:
-        """Step with the fused kernels from now on. ``requested``: the user asked for
-        them (``fused=True``), so a compile that fails raises instead of falling back."""
-        from .fused import FusedStep
+    # ---------------------------------------------------------------- phase 1
 
-        self._fused = FusedStep(self.optimizer, self.groups, self.stepped, self.rounding, self.state_dtypes,
-                                self.state_rounding)
-        self._fused_requested = requested
+    def check(self, *, fp32_grads: bool, with_norm: bool, group=None, agree: bool = True) -> None:
+        """Every parameter in its place; the state steppable (mpfp16/stores/state_rules.py);
+        with the fused step, the inner optimizer's groups still such that the kernels can
+        step them, and the kernels the step needs built, agreed across ``group``'s ranks
+        (:meth:`_build`)."""
+        for g in self.groups:
+            g.check_params()
+        self.check_state()
+        if self._fused is not None:
+            self._build(fp32_grads, with_norm, group, agree)
+        return None
 
-    def use_unfused(self) -> None:
+    def check_state(self) -> None:
+        """The guard of the state's one owner: the inner optimizer's state and groups such
+        that the step about to run steps them as torch would (a cleared, assigned or
+        loaded state adopted; one it cannot step refused in one line, before anything
+        moves). With the fused step, while nothing changed, a few identity tests per
+        parameter (``python -m mpfp16.bench.step``, row n)."""
+        if self._fused is not None:
+            self._still_fusable()
+        if self._fused is not None:
+            problem = self._fused.problem(self.stepped, self.params, self.labels)
+        else:
+            problem = state_problem(self.optimizer, self.stepped, self.params, self.labels)
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def _still_fusable(self) -> None:
+        """A param group changed since the store was built into one the kernels cannot
+        step (``amsgrad=True`` loaded from a checkpoint, set by hand): ``fused=True``
+        refuses the step in one line; ``fused=None`` takes the unfused step from here on,
+        with one warning. The groups are the same on every rank, so every rank does the
+        same, before anything moves."""
+        reason = unsupported_reason(self.optimizer)
+        if reason is None:
+            return
+        name = type(self.optimizer).__name__
+        if self._fused_requested:
+            raise RuntimeError(f"fused=True cannot step this {name} any more: {reason} (set in its param groups since "
+                               "it was built, or loaded from a state_dict); pass fused=None to take the unfused step "
+                               "where the fused one cannot")
+        if is_main_process():
+            logger.warning("%s now has %s, which mpfp16's fused step cannot step: every rank takes the unfused step "
+                           "(the inner optimizer's own) from here on", name, reason)
         self._fused = None
 
-    def prepare(self, fp32_grads: bool, with_norm: bool = False, group=None, agree: bool = True) -> None:
-        """Before the first step that needs them: compile the fused kernels (those that
-        read the 16-bit gradients, or with ``fp32_grads`` also those that read the fp32
-        gradients ``unscale_()`` makes; with ``with_norm`` the overflow check's variants
-        that also sum the squares for the norm), and make every rank take the same path.
+    def _build(self, fp32_grads: bool, with_norm: bool, group, agree: bool) -> None:
+        """Before a step that needs kernels not built yet (the first step; the first that
+        reads unscale_()'s fp32 gradients or sums the squares for the norm; the first
+        after a hyper-parameter changed a kernel's flags): build them, and make every rank
+        take the same path.
 
-        The outcome is gathered across the group before anything is written. If any
-        rank failed, ``fused=True`` raises on every rank, naming the ranks and the
-        reason; ``fused=None`` moves every rank to the unfused step, with one warning.
-        ``group``, ``agree``: the ranks that take one path, and whether to ask them (not
-        when this rank steps alone). Errors other than compile errors are not caught."""
-        if self._fused is None or (fp32_grads, with_norm) in self._prepared or (fp32_grads, True) in self._prepared:
+        The outcome is gathered across ``group`` before anything is written. If any rank
+        failed, ``fused=True`` raises on every rank, naming the ranks and the reason;
+        ``fused=None`` moves every rank to the unfused step, with one warning.
+        ``agree``: whether to ask the other ranks (not when this rank steps alone).
+        Errors other than compile errors are not caught."""
+        missing = {key: build for key, build in self._fused.variants(fp32_grads, with_norm).items()
+                   if key not in self._ready}
+        if not missing:
             return
         error = None
         started = time.perf_counter()
@@ -136,16 +184,15 @@ class LocalStore(ParamStore):
             logger.info("fused step: compiling its kernels%s (they are kept on disk, so a later run starts sooner)",
                         " for unscale_()'s fp32 gradients" if fp32_grads else "")
         try:
-            self._fused.prepare(fp32_grads=fp32_grads, with_norm=with_norm)
-        except compile_errors() as exc:  # evaluated only when prepare() raised
+            for build in missing.values():
+                build()
+        except compile_errors() as exc:  # evaluated only when a build raised
             error = f"{type(exc).__name__}: {one_line(exc)}"
         found = failures(error, group=group) if agree else ({0: error} if error is not None else {})
         if not found:
             if is_main_process():
                 logger.info("fused step: kernels ready in %.1f s", time.perf_counter() - started)
-            self._prepared.add((fp32_grads, with_norm))
-            if fp32_grads:
-                self._prepared.add((False, with_norm))  # prepare(fp32_grads=True) compiles the 16-bit variants too
+            self._ready |= missing.keys()
             return
         where = ", ".join(f"rank {rank}" for rank in found)
         reason = next(iter(found.values()))
@@ -155,65 +202,52 @@ class LocalStore(ParamStore):
         if is_main_process():
             logger.warning("fused optimizer step unavailable: compiling failed on %s (%s); every rank uses the "
                            "unfused step", where, reason)
-        self.use_unfused()
-
-    def invalidate(self) -> None:
-        if self._fused is not None:
-            self._fused.invalidate()  # its next step adopts the states into its flat buffers, in their dtypes
-        elif self._keeper is not None:
-            self._keeper.keep(self.stepped)
+        self._fused = None
 
     # ---------------------------------------------------------------- the phases
 
-    def check_ready(self) -> None:
-        for g in self.groups:
-            g.check_params()
-
-    def zero_grad(self, set_to_none: bool) -> None:
+    def zero(self, set_to_none: bool) -> None:
         for g in self.groups:
             g.zero_grads(set_to_none)
+            g.release()
 
-    def sum_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(p, s) for g in self.groups if g.accumulating for p, s in zip(g.params, g.sum_views())]
-
-    def open_sums(self) -> None:
+    def accumulate(self, first: bool) -> None:
         for g in self.groups:
             if g.accumulating:
-                g.open_sum()
-
-    def accumulate(self) -> None:
-        for g in self.groups:
-            if g.accumulating:
+                if first:
+                    g.open_sum()
                 g.accumulate()
 
-    def unscale(self, state, scale: float, materialize: bool, with_norm: bool) -> torch.Tensor:
-        state.materialized = materialize
+    def unscale(self, scale: float, *, materialize: bool, with_norm: bool) -> Checked:
         if self._fused is not None:
-            return self._fused.unscale(state, scale, materialize, with_norm)
+            return self._fused.unscale(scale, materialize, with_norm)
         for g in self.groups:
             g.ready_fp32_grads()
-        return unscale_and_check([t for g in self.groups for t in g.fp32_grads()], scale)
+        return Checked(unscale_and_check([t for g in self.groups for t in g.fp32_grads()], scale), materialized=True)
 
-    def nonfinite_grads(self, state, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
+    def overflow(self, checked: Checked | None, limit: int, before_unscale: bool = False) -> list[tuple[int, int, int]]:
         """Of the gradients the step read: a 16-bit group's fp32 ones where the step
         copied them there (the unfused step; the fused one after ``unscale_()``) or sums
         them there (fp32 accumulation), else the model's own."""
-        fp32 = not before_unscale and (self._fused is None or state.materialized)
+        fp32 = not before_unscale and checked is not None and checked.materialized
         position = {id(p): i for i, p in enumerate(self.params)}
         return find_nonfinite(((position[id(p)], grad) for g in self.groups for p, grad in
                                zip(g.params, g.grads_read(fp32 or g.accumulating))), limit)
 
-    def grad_norm(self, state) -> torch.Tensor:
-        if self._fused is not None and not state.materialized:
-            return self._fused.grad_norm(state)
+    def norm(self, checked: Checked) -> torch.Tensor:
+        if checked.grad_sumsq is not None:
+            return self._fused.norm(checked)
         return total_norm([m.grad for m, p in zip(self.stepped, self.params) if p.requires_grad])
 
-    def update(self, state, scale: float, clip_coef: torch.Tensor | None, rng: torch.Generator) -> None:
+    def update(self, checked: Checked, scale: float, clip_coef: torch.Tensor | None, rng: torch.Generator) -> None:
         self._noise = [torch.rand(g.layout.total, generator=rng, device=g.device)
                        if self.rounding == "stochastic" and g.half else None for g in self.groups]
         if self._fused is not None:
-            self._fused.update(state, scale, clip_coef, self._noise, rng)
+            self._fused.update(checked, scale, clip_coef, self._noise, rng)
+            self._pending = "fused"
             return
+        self._pending = "unfused"
+        settle(self.optimizer, self.stepped, self.params, self.state_dtypes)
         if clip_coef is not None:  # what clip_grads_with_norm_ does, one multiply per buffer
             for g in self.groups:
                 torch._foreach_mul_(g.fp32_grads(), clip_coef.to(g.device))
@@ -223,35 +257,29 @@ class LocalStore(ParamStore):
         if self._keeper is not None:  # 16-bit states: widened a bounded chunk at a time
             self._keeper.step(self.stepped, [p.requires_grad for p in self.params], rng)
             return
-        with _frozen_skipped(self.stepped, self.params):
+        with HiddenGradients(m for m, p in zip(self.stepped, self.params) if not p.requires_grad):  # frozen now
             self.optimizer.step()
 
+    @torch.no_grad()
     def copy_back(self) -> None:
         """Round the fp32 masters into the 16-bit model, one copy per buffer (without
-        master weights, with the chosen rounding); the fused kernels wrote them already."""
+        master weights, after an unfused update, with the chosen rounding); after a fused
+        update, nothing: the kernels wrote them. Outside a step: the masters as they are."""
+        pending, self._pending = self._pending, None
         for g, noise in zip(self.groups, self._noise):
-            if g.half and self._fused is None:
-                if g.transient:
-                    g.write_rounded(noise, self.rounding)
-                else:
+            if g.half and pending != "fused":
+                if g.has_master:
                     g.copy_back()
-            g.release()
+                elif pending == "unfused":
+                    g.write_rounded(noise, self.rounding)
+            if pending is not None:
+                g.release()
         self._noise = [None] * len(self.groups)
-
-    def skip(self) -> None:
-        for g in self.groups:
-            g.release()
-
-    @torch.no_grad()
-    def copy_masters_to_model(self) -> None:
-        for g in self.groups:
-            if g.has_master:
-                g.copy_back()
 
     # ---------------------------------------------------------------- memory and state
 
     def memory(self) -> dict[str, float]:
-        numel = max(1, self.numel)
+        numel = max(1, sum(g.layout.numel for g in self.groups))
         halves = [g for g in self.groups if g.half]
         state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         report = {
@@ -266,7 +294,7 @@ class LocalStore(ParamStore):
         report["total"] = sum(report.values())
         return report
 
-    def param_state(self) -> list[dict]:
+    def state_out(self) -> list[dict]:
         """Per parameter: its fp32 value (the master, rebuilt exactly with remainders;
         the parameter itself where it is fp32; None without master weights) and, with
         Kahan rounding, its compensation."""
@@ -277,18 +305,14 @@ class LocalStore(ParamStore):
                 continue
             masters = (g.master_views if g.has_master else g.rebuilt_masters() if g.remainder is not None
                        else [None] * len(g.params))
-            comps = self.layout_views(g, g.comp)
+            comps = g.layout.views(g.comp) if g.comp is not None else [None] * len(g.params)
             for p, m, c in zip(g.params, masters, comps):
                 entries[position[id(p)]]["master"] = m
                 if c is not None:
                     entries[position[id(p)]]["compensation"] = c
         return entries
 
-    @staticmethod
-    def layout_views(g: ParamGroup, buffer: torch.Tensor | None) -> list:
-        return g.layout.views(buffer) if buffer is not None else [None] * len(g.params)
-
-    def check_state(self, entries: list[dict], legacy: dict) -> None:
+    def _check_compensation(self, entries: list[dict], legacy: dict) -> None:
         """Raise one line where a Kahan compensation this store keeps is not in the state
         (or, in a state of the second form, one buffer per group, of another size)."""
         saved = legacy.get("kahan_compensation")
@@ -309,16 +333,19 @@ class LocalStore(ParamStore):
                     raise ValueError(f"parameter {position[id(p)]} has no Kahan compensation of its shape in the "
                                      "state_dict")
 
-    def like_stepped(self, index: int, t: torch.Tensor) -> torch.Tensor:
-        """A saved per-parameter tensor (plain, or a sharded store's DTensor) as this
-        store steps it: whole, on the parameter's device."""
-        return whole(t).to(self.stepped[index].device)
-
     @torch.no_grad()
-    def load_state(self, entries: list[dict], legacy: dict) -> None:
-        """The saved masters (the model's own weights where none were saved), and the
-        16-bit weights set from them, so the two always agree; with remainders, the
-        weights and remainders that hold the saved masters exactly."""
+    def state_in(self, entries: list[dict], legacy: dict, load_inner) -> None:
+        """The inner optimizer's state (whole, on each parameter's device), adopted by
+        the fused step at once (16-bit states held in 16 bits from the load on) or kept
+        in the states' dtypes; then the saved masters (the model's own weights where
+        none were saved), and the 16-bit weights set from them, so the two always agree;
+        with remainders, the weights and remainders that hold the saved masters exactly."""
+        self._check_compensation(entries, legacy)
+        load_inner(lambda index, t: whole(t).to(self.stepped[index].device))
+        if self._fused is not None:
+            self._fused.reload(self.stepped, self.params, self.labels)
+        elif self._keeper is not None:
+            self._keeper.keep(self.stepped)
         position = {id(p): i for i, p in enumerate(self.params)}
         saved_comp = legacy.get("kahan_compensation")
         for gi, g in enumerate(self.groups):
@@ -341,28 +368,3 @@ class LocalStore(ParamStore):
             elif g.remainder is not None:
                 g.split_into_weights(saved)
             g.mark_synced()  # the model was loaded first: its weights are not stale
-
-
-def build_local_store(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], *, master_weights: bool | str,
-                      rounding: str, accumulate: bool = False, state_dtypes: dict | None = None,
-                      state_rounding: str = "nearest") -> LocalStore:
-    """Place ``params`` (every parameter ``optimizer`` holds, in its order) and return
-    the store: flat when every one is, or can be, in a flat buffer, else per-tensor, in
-    which those that cannot move stay where they are. Parameters of one (device, dtype)
-    fill whole buffers: those that :func:`mpfp16.to_half` made are adopted as they are,
-    the rest move into new ones."""
-    group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    kahan = rounding == "kahan"
-    groups: list[ParamGroup] = []
-    why = None
-    for ps in flat_buffers.by_key(params).values():
-        try:
-            placed = flat_buffers.place(ps)
-        except flat_buffers.NotMovable as exc:
-            why = "DistributedDataParallel (or another gradient hook) already holds them"
-            logger.debug("%s", exc)
-            groups += [ParamGroup.per_tensor(sub, master_weights, group_of, kahan, accumulate)
-                       for sub in flat_buffers.by_key(ps, frozen_apart=True).values()]
-            continue
-        groups += [ParamGroup.flat(fp, master_weights, group_of, kahan, accumulate) for fp in placed]
-    return LocalStore(optimizer, params, groups, rounding, why, state_dtypes, state_rounding)

@@ -20,6 +20,7 @@ from collections import OrderedDict
 import torch
 
 from ..rounding import stochastic_round
+from .interface import HiddenGradients
 
 __all__ = ["StateKeeper", "CHUNK_NUMEL", "round_state"]
 
@@ -60,25 +61,20 @@ class StateKeeper:
         chunks = _chunks(live, CHUNK_NUMEL)
         for i, chunk in enumerate(chunks):
             members = {id(m) for m in chunk}
-            hidden = [(m, m.grad) for m in stepped if id(m) not in members and m.grad is not None]
+            others = HiddenGradients(m for m in stepped if id(m) not in members)
 
-            def before(chunk=chunk, hidden=hidden):
-                for m, _ in hidden:
-                    m.grad = None
+            def before(chunk=chunk, others=others):
+                others.hide()
                 self._widen(chunk)
-
-            def after(hidden=hidden):
-                for m, grad in hidden:
-                    m.grad = grad
 
             if len(chunks) == 1:
                 before()
                 try:
                     self.optimizer.step()
                 finally:
-                    after()
+                    others.restore()
             else:
-                _step_with_hooks_once(self.optimizer, i == 0, i == len(chunks) - 1, before, after)
+                _step_with_hooks_once(self.optimizer, i == 0, i == len(chunks) - 1, before, others.restore)
             self._narrow(chunk, self.rounding, rng)
 
     def _widen(self, params: list[torch.Tensor]) -> None:
@@ -90,22 +86,20 @@ class StateKeeper:
                 if t is not None and t.dtype != torch.float32:
                     entry[name] = t.float()
 
-    def _narrow(self, params: list[torch.Tensor], rounding: str, rng: torch.Generator | None) -> bool:
-        state, changed = self.optimizer.state, False
+    def _narrow(self, params: list[torch.Tensor], rounding: str, rng: torch.Generator | None) -> None:
+        state = self.optimizer.state
         for p in params:
             entry = state.get(p)
             for name, dtype in self.dtypes.items():
                 t = entry.get(name) if entry else None
                 if t is not None and t.dtype != dtype:
                     entry[name] = round_state(t, dtype, rounding, rng)
-                    changed = True
-        return changed
 
-    def keep(self, params: list[torch.Tensor]) -> bool:
+    def keep(self, params: list[torch.Tensor]) -> None:
         """After the inner optimizer loaded a state (torch's load makes every floating
         state its parameter's dtype, fp32): round the states to their dtypes, to
-        nearest. Returns whether any state was not of its dtype yet."""
-        return self._narrow(params, "nearest", None)
+        nearest."""
+        self._narrow(params, "nearest", None)
 
 
 def _step_with_hooks_once(optimizer: torch.optim.Optimizer, first: bool, last: bool, before, after) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from .. import options as optimizer_rules
 from ..options import STATE_ROUNDINGS
-from ..errors import UserError, library_words
+from ..errors import UserError, dtype_name, library_words
 from ..parallel import ddp as ddp_rules
 from ..parallel import fsdp as fsdp_rules
 from ..parallel import setup as setup_rules
@@ -30,7 +30,7 @@ from ..rounding import ROUNDINGS
 from ..scaler import check_loss_scale
 from .schedule import SCHEDULES
 
-__all__ = ["TrainConfig", "ConfigError", "FREE_ON_RESUME", "TASK_DEFAULTS", "DATA_DEFAULTS", "SYNTHETIC_SIZES",
+__all__ = ["TrainConfig", "ConfigError", "FREE_ON_RESUME", "BEFORE_THEY_EXISTED", "TASK_DEFAULTS", "DATA_DEFAULTS", "SYNTHETIC_SIZES",
            "OPTIMIZERS", "PRECISIONS", "WIRE_DTYPES", "TORCH_DTYPES", "BAD_IMAGE_POLICIES", "FUSED_CHOICES", "say",
            "default_text"]
 
@@ -69,6 +69,10 @@ DATA_DEFAULTS = {
 # where things go, and how the step is computed (fused or not, sharded or not, memory
 # format, device, DDP bucket size), never what it computes. A resume that changes how
 # a step is computed may change the last bits of the sums.
+# Settings a later release added, and what a run of a release before them did: a
+# checkpoint that does not record one ran with this value, and is compared with it.
+BEFORE_THEY_EXISTED = {"state_dtype": "fp32", "state_rounding": "nearest"}
+
 FREE_ON_RESUME = frozenset({
     "data", "workers", "bad_images", "max_steps", "channels_last", "fused", "shard", "bucket_mb", "dist_backend",
     "dist_timeout", "device", "check_replicas", "checkpoint_dir", "save_every", "resume", "metrics", "tensorboard",
@@ -212,7 +216,7 @@ class TrainConfig:
                                           max_grad_norm=self.max_grad_norm, fused=self.fused_option, dtypes=(compute,),
                                           sharded=self.shard, accumulate_dtype=TORCH_DTYPES.get(self.accumulate_dtype),
                                           say=say)
-            optimizer_rules.state_dtypes_of({"sgd": "SGD", "adamw": "AdamW"}[self.optimizer],
+            optimizer_rules.state_dtypes_of({"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[self.optimizer],
                                             TORCH_DTYPES[self.state_dtype], None, self.state_rounding,
                                             sharded=self.shard, say=say)
             if self.shard:
@@ -230,8 +234,11 @@ class TrainConfig:
         """(name, saved value, value now) for each setting whose change would make a
         resumed run differ from an uninterrupted one: the sample order, the schedule,
         the model, the optimizer, the numerics. Settings in :data:`FREE_ON_RESUME`
-        may change; a setting the checkpoint does not record is not compared."""
+        may change. A setting the checkpoint does not record is compared with what runs
+        did before it existed (:data:`BEFORE_THEY_EXISTED`), where that is known, and
+        otherwise not at all."""
         now = self.as_dict()
+        saved = {**{k: v for k, v in BEFORE_THEY_EXISTED.items() if k not in saved}, **saved}
         return [(name, saved[name], now[name]) for name in now
                 if name not in FREE_ON_RESUME and name in saved and saved[name] != now[name]]
 
@@ -273,7 +280,7 @@ def say(name: str, value) -> str:
     if value is None:
         return f"out {flag}" if name in ("allreduce_dtype", "reduce_dtype", "accumulate_dtype") else f"{flag} unset"
     if isinstance(value, torch.dtype):
-        value = _DTYPE_NAMES.get(value, str(value).replace("torch.", ""))
+        value = _DTYPE_NAMES.get(value, dtype_name(value))
     elif isinstance(value, float):
         value = f"{value:g}"
     return f"{flag} {value}"

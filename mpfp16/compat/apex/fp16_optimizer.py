@@ -36,6 +36,7 @@ from ...optimizer import FP16Optimizer
 from ...overflow import describe_overflow, with_culprits
 from ...parallel.ranks import any_rank
 from ...scaler import LossScaleStuckError
+from ...stores import any_nonfinite
 from .loss_scaler import AmpLossScaler
 
 __all__ = ["FP16_Optimizer"]
@@ -147,12 +148,8 @@ class FP16_Optimizer:  # noqa: N801 - apex's name
         """Whether any model gradient holds inf/NaN, read without unscaling anything
         (one multi-tensor pass, one host synchronization), the same on every rank."""
         grads = [p.grad for p in self._opt.model_params() if p.requires_grad and p.grad is not None]
-        if grads:
-            peaks = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))])
-            flag = (~torch.isfinite(peaks)).any().float().reshape(1)
-        else:  # still take part in the agreement: every rank makes the same collective calls
-            flag = torch.zeros(1, device=self._opt.model_params()[0].device)
-        return any_rank(flag)
+        # With no gradient, still take part in the agreement: every rank makes the same collective calls.
+        return any_rank(any_nonfinite(grads) if grads else torch.zeros(1, device=self._opt.model_params()[0].device))
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2):
         """Clip the unscaled fp32 gradients with ``torch.nn.utils.clip_grad_norm_``;

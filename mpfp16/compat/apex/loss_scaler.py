@@ -11,8 +11,11 @@ Behaviour, as apex's code has it:
   changes and apex never checks it for overflow.
 - :class:`DynamicLossScaler` (``fp16_utils``): from 2^32, divides by ``scale_factor``
   on overflow (not below 1), multiplies by it each time ``scale_window`` iterations
-  have passed since the last overflow; overflow is found from the sum of each
-  gradient. :class:`LossScaler` is a static scale that never reports an overflow.
+  have passed since the last overflow. apex finds an overflow from the fp32 sum of
+  each gradient, which also flags finite values whose sum overflows; here it is
+  found element by element, as every overflow check of mpfp16 finds it
+  (mpfp16/stores/nonfinite.py). :class:`LossScaler` is a static scale that never
+  reports an overflow.
 
 Two things apex gets wrong are done right here, each with one warning: a static scale
 is checked for overflow, so an overflowing step is skipped instead of writing inf
@@ -28,6 +31,7 @@ import math
 import torch
 
 from ...scaler import LossScaler as _MpLossScaler
+from ...stores import nonfinite_flags
 from ...scaler import LossScaleStuckError, check_loss_scale
 
 __all__ = ["AmpLossScaler", "LossScaler", "DynamicLossScaler", "to_python_float"]
@@ -178,12 +182,6 @@ class AmpLossScaler(_MpLossScaler):
         return f"AmpLossScaler({self._scale:g}, {kind})"
 
 
-def _has_inf_or_nan(x: torch.Tensor) -> bool:
-    """apex's test: the fp32 sum of the gradient is inf or NaN (one host sync each)."""
-    total = float(x.float().sum())
-    return math.isinf(total) or math.isnan(total)
-
-
 class LossScaler:
     """``apex.fp16_utils.LossScaler``: a static scale that never reports an overflow."""
 
@@ -218,7 +216,8 @@ class DynamicLossScaler(LossScaler):
         self.scale_window = scale_window
 
     def has_overflow(self, params) -> bool:
-        return any(p.grad is not None and _has_inf_or_nan(p.grad) for p in params)
+        grads = [p.grad for p in params if p.grad is not None]
+        return bool(grads) and any(nonfinite_flags(grads))
 
     def update_scale(self, overflow: bool) -> None:
         if overflow:
