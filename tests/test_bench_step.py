@@ -18,9 +18,10 @@ def test_step_benchmark_runs(tmp_path, capsys):
     for per_threads in result["results"]:
         rows = per_threads["rows"]
         methods = [r["method"] for r in rows]
-        assert len(methods) == 7 and methods[0].startswith("a. torch fp32 SGD foreach")
-        assert methods[6] == "g. mpfp16 fused, unscale_()"
+        assert len(methods) == 8 and methods[0].startswith("a. torch fp32 SGD foreach")
+        assert methods[6:] == ["g. mpfp16 fused, unscale_()", "n. d's state guard alone"]
         assert rows[0]["ratio"] == 1.0 and all(r["median_ms"] > 0 for r in rows)
+        assert 0 < per_threads["state_guard_over_d"] < 1
         limit = per_threads["limit_gb_per_s"]
         assert limit == max(per_threads["bandwidth_gb_per_s"].values()) > 0
         for r in rows:  # the three columns are one measurement seen three ways
@@ -42,7 +43,8 @@ def test_step_benchmark_times_a_skipped_step_and_its_scan(tmp_path, capsys):
                        "--bandwidth-numel", "100000", "--skipped", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["results"][0]["rows"]
-    assert [r["method"] for r in rows][7:] == ["h. d skipped (1 inf), named", "i. h's overflow scan alone"]
+    assert [r["method"] for r in rows][7:] == ["h. d skipped (1 inf), named", "i. h's overflow scan alone",
+                                                   "n. d's state guard alone"]
     assert all(r["median_ms"] > 0 for r in rows) and result["loss_flag_us"] > 0
     assert "loss flag for last_overflow" in capsys.readouterr().out
 

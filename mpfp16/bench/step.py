@@ -28,7 +28,10 @@ each method's ratio to torch's own fp32 step:
   f. mpfp16 without master weights (fused);
   g. d with ``unscale_()`` called before ``step()`` (the order of a user who clips
      with their own function): the fp32 gradients the fused step otherwise never
-     writes, and kernels that read them.
+     writes, and kernels that read them;
+  n. the guard of the state's one owner alone, as d's first phase runs it: that the
+     inner optimizer's state is still the tensors the kernels step and its groups still
+     ones they can step (mpfp16/stores/flat_state.py), printed as a share of d.
 
 With ``--skipped``, two more rows, and the cost of the loss flag ``opt.backward()``
 records (docs/OVERFLOW.md):
@@ -120,6 +123,9 @@ def traffic(kind: str) -> dict[str, int]:
     l. d with bf16 states (``state_dtype=torch.bfloat16``): the states read and written
        in 2 bytes where d's take 4 (SGD: 2 + 16 = 18; Adam: 2 + 20 = 22).
     m. f with bf16 states (SGD: 2 + 10 = 12; Adam: 2 + 14 = 16).
+    n. the guard of the state's one owner alone (``LocalStore.check_state``: the inner
+       optimizer's state still the tensors the kernels step, checked by identity before
+       anything moves, mpfp16/stores/flat_state.py): it reads no tensor (0).
     """
     sgd = kind.startswith("sgd")
     torch_step = _torch_step_bytes(kind, fused=False)
@@ -138,6 +144,7 @@ def traffic(kind: str) -> dict[str, int]:
         "k": 2 + fused_kernel - 2,
         "l": 2 + fused_kernel - (4 if sgd else 8),
         "m": 2 + fused_kernel - 6 - (4 if sgd else 8),
+        "n": 0,
     }
 
 
@@ -271,6 +278,17 @@ class _Mpfp16:
     def unscale_and_step(self) -> bool:
         self.opt.unscale_()
         return self.opt.step()
+
+    def before_guard(self) -> None:
+        """What d's step does before the guard (untimed): the backward, then the first
+        phase's check that every parameter is still where the step wrote it."""
+        self._touch()
+        for g in self.opt.store.groups:
+            g.check_params()
+
+    def check_state(self) -> None:
+        """The guard of the state's one owner alone, as the step's first phase runs it (n)."""
+        self.opt.store.check_state()
 
 
 class _Skipping(_Mpfp16):
@@ -412,6 +430,7 @@ def main(argv=None) -> int:
         bf16_states_nomaster = _Mpfp16(kind, params, master_weights=False, fused=True, state_dtype=torch.bfloat16)
         methods["l. d, bf16 states"] = (bf16_states._touch, bf16_states.step)
         methods["m. f, bf16 states"] = (bf16_states_nomaster._touch, bf16_states_nomaster.step)
+    methods["n. d's state guard alone"] = (fused16.before_guard, fused16.check_state)
     bytes_per_param = traffic(kind)
     where = cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device)
     print(f"# {args.model} shapes: {numel:,} parameters in {len(params)} tensors; {kind}; {device.type} ({where}); "
@@ -438,11 +457,15 @@ def main(argv=None) -> int:
                 rows.append({"method": name, "median_ms": t * 1e3, "ratio": t / ref, "bytes_per_param": moved,
                              "gb_per_s": gbps, "fraction_of_limit": gbps / limit})
                 print(f"{name:<34}{t * 1e3:>9.2f}{t / ref:>8.2f}{moved:>9d}{gbps:>8.1f}{gbps / limit:>10.2f}")
+            n_d = (statistics.median(times["n. d's state guard alone"])
+                   / statistics.median(times["d. mpfp16 fp16+masters"]))
+            print(f"n / d (the guard of the state's one owner, in d's step): {100 * n_d:.2f}%")
             if args.remainder:
                 k, j = (statistics.median(times[name]) for name in ("k. bf16, remainder masters",
                                                                     "j. bf16 + fp32 masters"))
                 print(f"k / j (remainder against fp32 masters, bf16): {k / j:.3f}")
-            results.append({"threads": n, "bandwidth_gb_per_s": bandwidth, "limit_gb_per_s": limit, "rows": rows})
+            results.append({"threads": n, "bandwidth_gb_per_s": bandwidth, "limit_gb_per_s": limit, "rows": rows,
+                            "state_guard_over_d": n_d})
     finally:
         torch.set_num_threads(before)
     bf16_fused = not args.remainder or (bf16_masters.opt.fused and bf16_held.opt.fused)
