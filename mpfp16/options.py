@@ -12,14 +12,13 @@ import torch
 from .errors import library_words
 from .rounding import ROUNDINGS
 from .scaler import DynamicLossScaler, LossScaler
-from .stores import STATE_NAMES, ParamStore, ShardedStore, state_names
+from .stores import STATE_NAMES, ParamStore, ShardedStore, has_own_step, state_names
 
 __all__ = ["check_options", "check_types", "check_rounding_seed", "held_params", "make_scaler", "master_mode",
            "is_number", "state_dtypes_of", "STATE_NAMES", "STATE_DTYPES", "STATE_ROUNDINGS",
            "MASTER_WEIGHTS", "ACCUMULATE_DTYPES"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_KNOWN = (torch.optim.SGD, torch.optim.Adam)  # the classes whose subclasses may have a step() of their own
 
 ACCUMULATE_DTYPES = (None, torch.float32)  # accumulate_dtype's choices; None: the model's 16-bit dtype, as apex
 # master_weights' choices: fp32 masters; none (the 16-bit weights stepped directly); or, for bf16, the fp32 masters
@@ -279,7 +278,7 @@ def state_dtypes_of(optimizer: torch.optim.Optimizer | type | None, state_dtype:
     name = cls.__name__
     option = "state_dtype" if state_dtype is not None else "state_dtypes"
     if names is None:
-        own = "has a step() of its own" if issubclass(cls, _KNOWN) else "keeps states of its own"
+        own = "has a step() of its own" if has_own_step(cls) else "keeps states of its own"
         raise ValueError(f"{option} applies to SGD, Adam and AdamW, whose states are mpfp16's to keep; {name} {own} "
                          f"(torchao's low-bit optimizers quantize theirs already): drop {option}")
     unknown = sorted(set(wanted) - set(names) - {"*"})

@@ -23,7 +23,8 @@ from .groups import is_master
 from .interface import Checked, ParamStore, StoreOptions
 from .nonfinite import any_nonfinite, nonfinite_flags
 from .sharded import ShardedStore
-from .state_rules import STATE_NAMES, known_base, state_names
+from .state_rules import STATE_NAMES, has_own_step, known_base, state_names
 
 __all__ = ["ParamStore", "StoreOptions", "Checked", "STORES", "build_store", "store_type", "is_master",
-           "FUSED_MIN_NUMEL", "any_nonfinite", "nonfinite_flags", "ShardedStore", "STATE_NAMES", "known_base", "state_names"]
+           "FUSED_MIN_NUMEL", "any_nonfinite", "nonfinite_flags", "ShardedStore", "STATE_NAMES", "has_own_step",
+           "known_base", "state_names"]

@@ -98,8 +98,9 @@ class FlatState:
 
     def holds(self) -> bool:
         """Whether the state is still what the last adoption made it (module docstring).
-        Every comparison is by identity or of ints, in C loops: a few microseconds per
-        hundred parameters."""
+        Every comparison is by identity or of ints, in C loops; what it costs is the
+        cache misses on each parameter's state entry and tensors (docs/BENCHMARKS.md,
+        ``python -m mpfp16.bench.step`` row n)."""
         record = self._record
         if record is None or record.shape != self._shape():
             return False
@@ -124,8 +125,12 @@ class FlatState:
             steps += 1
             values[key] = float(steps[0])
         if self._record is not None:
-            self._record.steps = [(t, t._version) for t in self.steps.values()]
+            self._record.steps = self._step_versions()
         return values
+
+    def _step_versions(self) -> list[tuple[torch.Tensor, int]]:
+        """Adam's step counters with their versions now (a write by anyone else moves one)."""
+        return [(t, t._version) for t in self.steps.values()]
 
     # ------------------------------------------------------------------ adoption
 
@@ -214,4 +219,4 @@ class FlatState:
                               if (gi, name) in self._views and entry.get(name) is self._views[(gi, name)][i]]
                     if not self.sgd:  # the step counter, a view of its segment's
                         views.append(entry["step"])
-        self._record = _Record(self._shape(), state, stepped, views, [(t, t._version) for t in self.steps.values()])
+        self._record = _Record(self._shape(), state, stepped, views, self._step_versions())

@@ -16,11 +16,12 @@ A segment is a run of parameters of one param group that are stepped this step (
 require grad) and whose optimizer state is at the same point (SGD: a momentum buffer
 or none yet; Adam: the same step count), so that one kernel call steps them all.
 
-The kernels a step needs are built in :meth:`FusedStep.prepare` (:meth:`FusedStep.variants`
-names them), on scratch tensors, before the step writes anything; a variant that a
-changed hyper-parameter needs first (momentum turned on, say) is built then, before
-that step writes anything. This module itself imports no compiler, so ``import
-mpfp16`` stays light, and inductor is imported only by a step that uses one of its kernels.
+The kernels a step needs are built by the store's check (``LocalStore.check``, from the
+builds :meth:`FusedStep.variants` names), on scratch tensors, before the step writes
+anything; a variant that a changed hyper-parameter needs first (momentum turned on,
+say) is built then, before that step writes anything. This module itself imports no
+compiler, so ``import mpfp16`` stays light, and inductor is imported only by a step that
+uses one of its kernels.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from . import native
 from .flat_state import FlatState
 from .interface import Checked
 from .nonfinite import check_flat, flat_check_is_native, prepare_flat_check, unscale_and_check
-from .state_rules import known_base, state_problem
+from .state_rules import has_own_step, known_base, state_problem
 
 __all__ = ["FusedStep", "unsupported_reason", "fast_path_flag", "choose_fused", "FUSED_MIN_NUMEL"]
 
@@ -61,9 +62,7 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
     kernels do the arithmetic of torch's foreach and for-loop steps."""
     if known_base(optimizer) is None:
         name = type(optimizer).__name__
-        if isinstance(optimizer, (torch.optim.SGD, torch.optim.Adam)):
-            return f"{name} has a step() of its own"
-        return f"{name} is not SGD, Adam or AdamW"
+        return f"{name} has a step() of its own" if has_own_step(optimizer) else f"{name} is not SGD, Adam or AdamW"
     for i, group in enumerate(optimizer.param_groups):
         where = f" in param group {i}" if len(optimizer.param_groups) > 1 else ""
         for flag in ("differentiable", "capturable", "amsgrad"):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["known_base", "state_names", "state_problem", "settle", "STATE_NAMES"]
+__all__ = ["known_base", "has_own_step", "state_names", "state_problem", "settle", "STATE_NAMES"]
 
 # The per-parameter states of the optimizers mpfp16 knows, by the torch class whose step
 # runs; every one is a tensor of its parameter's shape. AdamW is an Adam.
@@ -43,6 +43,13 @@ def known_base(optimizer: torch.optim.Optimizer | type) -> type | None:
         if issubclass(cls, base) and cls.step is base.step:
             return base
     return None
+
+
+def has_own_step(optimizer: torch.optim.Optimizer | type) -> bool:
+    """Whether ``optimizer`` (or its class) is a subclass of SGD, Adam or AdamW whose
+    ``step()`` is its own: its arithmetic, and maybe its states, are not the base's."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return issubclass(cls, _KNOWN) and known_base(cls) is None
 
 
 def state_names(optimizer: torch.optim.Optimizer | type) -> tuple[str, ...] | None:
