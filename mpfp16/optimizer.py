@@ -49,11 +49,11 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .options import check_options, held_params, make_scaler, master_mode, state_dtypes_of
+from .options import check_options, constructor_state, held_params, make_scaler, master_mode, state_dtypes_of
 from .overflow import OVERFLOW_REPORTED, describe_overflow, gather_report, with_culprits
 from .parallel import accumulation
 from .parallel.ranks import any_rank, get_world_size, is_main_process
-from .scaler import LossScaler, LossScaleStuckError
+from .scaler import LossScaler, LossScaleStuckError, loss_gradient_dtype, largest_scale
 from .errors import dtype_name
 from .state_format import (STATE_FORMAT, check_state_dict, keyed_by_index, keyed_by_parameter, state_dtypes_changed,
                            upgrade_state_dict)
@@ -63,6 +63,9 @@ from .stores import ParamStore, StoreOptions, build_store, store_type
 __all__ = ["FP16Optimizer"]
 
 logger = logging.getLogger("mpfp16")
+
+_FP16_LARGEST_SCALE = 2.0 ** 15  # the largest power of two fp16 holds: a 16-bit loss's gradient fits below it
+
 
 class FP16Optimizer(torch.optim.Optimizer):
     """Mixed-precision wrapper around a ``torch.optim`` optimizer (the step in the
@@ -148,6 +151,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         if isinstance(optimizer, FP16Optimizer):
             raise TypeError("the optimizer is already an FP16Optimizer; wrap the inner optimizer once")
         params = held_params(optimizer, model, track_grad_norm=track_grad_norm, rounding_seed=rounding_seed)
+        if constructor_state(optimizer):  # Adagrad's, over the 16-bit parameters: made again over the masters
+            optimizer.state.clear()
         self.optimizer = optimizer
         kind = store_type(params)
         check_options(master_weights=master_weights, rounding=rounding, max_grad_norm=max_grad_norm, fused=fused,
@@ -164,6 +169,7 @@ class FP16Optimizer(torch.optim.Optimizer):
         self.reduce_overflow = reduce_overflow
         self.accumulate_dtype = accumulate_dtype
         self.skipped_steps = 0
+        self._told_loss_limit = False  # _fit_scale_to's line, logged once
         self.iteration = 0  # optimizer steps attempted, skipped ones included
         self._last_grad_norm: torch.Tensor | None = None
         self._last_overflow: list[dict] = []
@@ -226,6 +232,22 @@ class FP16Optimizer(torch.optim.Optimizer):
         Without persistent masters they hold values only inside ``step()``."""
         return list(self.store.stepped)
 
+    def trained_values(self) -> list[torch.Tensor]:
+        """Each of :meth:`model_params`' trained value in fp32, in its order: the fp32
+        master (rebuilt exactly from a remainder), the parameter itself where it is
+        fp32, and without masters the 16-bit weight, widened (exact). Tensors the
+        optimizer holds or new ones: copy them before changing them.
+
+        Raises:
+            ValueError: the store is sharded (each rank holds a shard of the masters:
+                mpfp16.checkpoint saves them).
+        """
+        if self.store.kind == "sharded":
+            raise ValueError("the masters are sharded across ranks: save them with mpfp16.checkpoint, which "
+                             "writes each rank's shard")
+        return [m if m is not None else p.detach().float()
+                for p, m in zip(self.store.params, (e["master"] for e in self.store.state_out()))]
+
     def param_names(self) -> list[str | None] | None:
         """The names (in ``model``) of :meth:`model_params`, when ``model=`` was given."""
         return None if self._names is None else list(self._names)
@@ -272,6 +294,8 @@ class FP16Optimizer(torch.optim.Optimizer):
         ``accumulate_dtype=torch.float32``, then add the 16-bit gradients into the fp32
         sums and zero them."""
         scale = self.scaler.scale
+        if scale > _FP16_LARGEST_SCALE and not (self._guard.state.started and self._guard.state.scale is not None):
+            scale = self._fit_scale_to(loss)  # the step's first backward: its scale is the step's
         scaled_loss = loss.float() if scale == 1.0 else loss.float() * scale
         first = self._guard.begin_backward(scale, loss, sums=self.accumulate_dtype is not None)
         try:
@@ -280,6 +304,58 @@ class FP16Optimizer(torch.optim.Optimizer):
             self._guard.end_backward()
         if self.accumulate_dtype is not None:
             self.store.accumulate(first)
+
+    @classmethod
+    def backward_together(cls, optimizers: list[FP16Optimizer], loss: torch.Tensor, **kwargs) -> None:
+        """One backward pass of ``loss`` for several FP16Optimizers over different
+        parameters that share one loss scaler (a GAN's generator and discriminator:
+        the generator's loss flows through both models), as torch.amp's recipe for
+        several optimizers shares one GradScaler: the loss is scaled once, by the
+        first's :meth:`backward`, and each of the others takes the gradients that
+        reach its parameters as its own backward's, at the scale its step unscales by.
+
+        Raises:
+            ValueError: the optimizers do not share one scaler (one line).
+        """
+        lead, rest = optimizers[0], list(optimizers[1:])
+        if any(opt.scaler is not lead.scaler for opt in rest):
+            raise ValueError("backward_together needs FP16Optimizers that share one loss scaler (loss_scale=the same "
+                             "LossScaler): the loss is scaled once")
+        firsts = [opt._guard.begin_backward(opt.scaler.scale, loss, sums=opt.accumulate_dtype is not None)
+                  for opt in rest]
+        try:
+            lead.backward(loss, **kwargs)
+        finally:
+            for opt in rest:
+                opt._guard.end_backward()
+        for opt, first in zip(rest, firsts):
+            opt._guard.state.scale = lead._guard.state.scale  # the lead may have fitted the shared scale first
+            if opt.accumulate_dtype is not None:
+                opt.store.accumulate(first)
+
+    def _fit_scale_to(self, loss: torch.Tensor) -> float:
+        """The scale for a step whose loss is 16-bit: at most the largest its dtype
+        holds (:func:`mpfp16.scaler.loss_gradient_dtype`; 32768 for fp16), since the
+        loss's own gradient is the scale and would be inf at every step. A dynamic
+        scaler backs off to it once, logging it, and takes the step instead of
+        skipping it; a static scale above it is refused."""
+        dtype = loss_gradient_dtype(loss)
+        limit = largest_scale(dtype)
+        if self.scaler.scale <= limit:
+            return self.scaler.scale
+        before = self.scaler.scale
+        if not self.scaler.fit_under(limit):
+            if not self.scaler.dynamic:
+                raise ValueError(f"the loss is {dtype_name(dtype)} and the static loss scale {before:g} is "
+                                 f"above the largest its gradient holds ({limit:g}): every step would overflow; use a "
+                                 f"scale of at most {limit:g}, or 'dynamic'")
+            return self.scaler.scale  # min_scale is above the limit: the step overflows and is skipped
+        if is_main_process() and not self._told_loss_limit:
+            logger.info("mpfp16: the loss is computed in 16 bits, so its own gradient is the loss scale: the scale "
+                        "backs off from %g to %g, the largest that fits, instead of skipping a step", before,
+                        self.scaler.scale)
+            self._told_loss_limit = True
+        return self.scaler.scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient and start a new step: flat ones in place, one fill per

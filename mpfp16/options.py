@@ -14,7 +14,7 @@ from .rounding import ROUNDINGS
 from .scaler import DynamicLossScaler, LossScaler
 from .stores import STATE_NAMES, ParamStore, ShardedStore, has_own_step, state_names
 
-__all__ = ["check_options", "check_types", "check_rounding_seed", "held_params", "make_scaler", "master_mode",
+__all__ = ["check_options", "check_types", "check_rounding_seed", "constructor_state", "held_params", "make_scaler", "master_mode",
            "is_number", "state_dtypes_of", "STATE_NAMES", "STATE_DTYPES", "STATE_ROUNDINGS",
            "MASTER_WEIGHTS", "ACCUMULATE_DTYPES"]
 
@@ -204,7 +204,7 @@ def held_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
                         f"{type(track_grad_norm).__name__}")
     check_rounding_seed(rounding_seed)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if getattr(optimizer, "state", None) and any(optimizer.state.values()):
+    if getattr(optimizer, "state", None) and any(optimizer.state.values()) and not constructor_state(optimizer):
         raise ValueError("the optimizer already has state: wrap it before its first step, and load checkpoints "
                          "through FP16Optimizer.load_state_dict")
     if model is not None:
@@ -224,6 +224,18 @@ def held_params(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
     if not params:
         raise ValueError("the optimizer holds no parameter")
     return params
+
+
+def constructor_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s state is the one torch's Adagrad fills when it is built
+    (every entry at step 0, over the parameters it was given): its ``step()`` makes the
+    same state again for a parameter that has none, so FP16Optimizer drops it and
+    Adagrad builds it over the fp32 masters at the first step, in fp32, as it would over
+    an fp32 model (over the 16-bit parameters, ``initial_accumulator_value`` would be
+    rounded to 16 bits)."""
+    if not isinstance(optimizer, torch.optim.Adagrad):
+        return False
+    return all(set(s) == {"step", "sum"} and float(s["step"]) == 0 for s in optimizer.state.values())
 
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)  # state_dtype's choices

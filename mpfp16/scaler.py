@@ -17,7 +17,10 @@ from __future__ import annotations
 import math
 import struct
 
-__all__ = ["LossScaler", "DynamicLossScaler", "LossScaleStuckError", "check_loss_scale"]
+import torch
+
+__all__ = ["LossScaler", "DynamicLossScaler", "LossScaleStuckError", "check_loss_scale", "loss_gradient_dtype",
+           "largest_scale"]
 
 # The smallest normal fp32 value: the floor used to decide that a scale with no
 # configured minimum can fall no further in any useful way.
@@ -127,6 +130,13 @@ class LossScaler:
 
     def _back_off(self) -> None:
         pass
+
+    def fit_under(self, limit: float) -> bool:
+        """Lower the scale to at most ``limit`` before a step's first backward, when the
+        loss itself is 16-bit and the scale would overflow its gradient for sure
+        (:func:`loss_gradient_dtype`). Returns whether the scale now
+        fits; a static scale cannot move (False)."""
+        return self._scale <= limit
 
     def state_dict(self) -> dict:
         """Plain numbers only, so that ``torch.load(weights_only=True)`` reads it."""
@@ -283,6 +293,22 @@ class DynamicLossScaler(LossScaler):
             new_scale = max(new_scale, self.min_scale)
         self._scale = new_scale
 
+    def fit_under(self, limit: float) -> bool:
+        """Back off (``backoff_factor``, hysteresis aside: the gradient is sure to
+        overflow, not found to) until the scale is at most ``limit``, down to
+        ``min_scale``; the growth count starts again, as after a back-off. The step
+        that would have been skipped at the higher scale is taken at this one."""
+        moved = False
+        while self._scale > limit:
+            new_scale = _f32(self._scale * self.backoff_factor)
+            if self.min_scale is not None and new_scale < self.min_scale:
+                break
+            self._scale, moved = new_scale, True
+        if moved:
+            self.growth_tracker = 0
+            self.hysteresis_tracker = self.hysteresis
+        return self._scale <= limit
+
     def _grow(self) -> None:
         self.growth_tracker += 1
         if self.growth_tracker < self.growth_interval:
@@ -335,3 +361,42 @@ class DynamicLossScaler(LossScaler):
             f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis}, min_scale={self.min_scale}, max_scale={self.max_scale})"
         )
+
+
+_WALKED = 32  # autograd nodes followed back from the loss, at most
+
+
+def loss_gradient_dtype(loss: torch.Tensor) -> torch.dtype:
+    """The narrowest floating dtype the loss's own gradient passes through before it
+    reaches the model: read back from ``loss`` along the autograd nodes with one input
+    whose gradient is one element (casts, a division by the accumulation count, the
+    loss's own reduction), up to the first that is not: the gradient of the loss
+    itself, before it spreads over the model's outputs.
+
+    The gradient of ``(loss.float() * scale)`` with respect to the loss is ``scale``;
+    where the loss was computed in fp16 (a model's head that returns its loss, cast to
+    fp32 by :func:`mpfp16.to_half`'s output hook or by ``backward``), that gradient is
+    rounded to fp16 before anything else runs, and a scale above 65504 is inf there: a
+    sure overflow at every step (:func:`largest_scale`)."""
+    smallest = loss.dtype
+    node = loss.grad_fn
+    for _ in range(_WALKED):
+        if node is None:
+            break
+        metas = getattr(node, "_input_metadata", ())  # the gradient this node receives
+        if len(metas) != 1 or math.prod(getattr(metas[0], "shape", (0,))) != 1:
+            break  # past the loss itself: a gradient of many elements is the model's, not the loss's
+        dtype = getattr(metas[0], "dtype", None)
+        if dtype is not None and dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(smallest).max:
+            smallest = dtype
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            break
+        node = inputs[0]
+    return smallest
+
+
+def largest_scale(dtype: torch.dtype) -> float:
+    """The largest power of two ``dtype`` holds: the largest loss scale a loss of that
+    dtype can take without its own gradient overflowing (32768 for fp16)."""
+    return 2.0 ** math.floor(math.log2(torch.finfo(dtype).max))

@@ -222,7 +222,10 @@ def _check_inner_kind(state_dict: dict, inner: torch.optim.Optimizer) -> None:
         raise ValueError(f"the state_dict's inner optimizer has {len(groups)} param groups and this one has "
                          f"{len(inner.param_groups)}")
     for i, (theirs, ours) in enumerate(zip(groups, inner.param_groups)):
-        missing = sorted(k for k in ours if k != "params" and k not in theirs)
+        # the optimizer's own hyperparameters only: an lr scheduler adds keys to the live
+        # groups (initial_lr, max_lr) that a state saved before it lacks, and torch's
+        # load drops them with the groups it replaces (Lightning's lr_find restores so)
+        missing = sorted(k for k in ours if k != "params" and k in inner.defaults and k not in theirs)
         if missing:
             raise ValueError(f"the state_dict's param group {i} has no {', '.join(missing)}: it was saved by another "
                              f"kind of optimizer than this {mine}")

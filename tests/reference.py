@@ -40,6 +40,8 @@ def make_inner(kind: str, params, lr: float = 0.05, **kw):
         return torch.optim.Adam(params, lr=lr / 10, weight_decay=1e-4, **kw)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=lr / 10, weight_decay=1e-2, **kw)
+    if kind == "adagrad":  # fills its state when it is built
+        return torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=0.1, weight_decay=1e-4, **kw)
     raise ValueError(kind)
 
 

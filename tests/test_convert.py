@@ -118,3 +118,66 @@ def test_to_float_refuses_parameters_that_ddp_holds():
     with pytest.raises(RuntimeError, match="would have to move into a flat buffer after DistributedDataParallel"):
         mpfp16.to_float(model)
     del held
+
+
+class MyRMSNorm(nn.Module):
+    """A norm written as libraries write their own (transformers' LlamaRMSNorm): it
+    computes in fp32 and returns ``weight * x`` in the weight's dtype."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.proj, self.head = MyRMSNorm(8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, target=None):
+        out = self.head(self.proj(self.norm(x)))
+        return out if target is None else (out, target)
+
+
+@pytest.mark.parametrize("keep", [["proj"], [nn.Linear], "proj"])
+def test_library_norms_and_the_users_modules_stay_fp32_and_hand_back_16_bits(keep):
+    """A norm class named as libraries name theirs stays fp32 (it made the next Linear
+    fail: an fp32 output into fp16 weights), and so do the modules ``keep_fp32`` names,
+    by name or class; each computes in fp32 and hands the next layer fp16. The model
+    pickles, and to_float removes every hook."""
+    torch.manual_seed(0)
+    model = mpfp16.to_half(Block(), keep_fp32=keep)
+    kept = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert kept == ({"norm.weight", "proj.weight", "proj.bias"} | (
+        {"head.weight", "head.bias"} if keep == [nn.Linear] else set()))
+    seen = {}
+    handle = model.proj.register_forward_hook(lambda m, a, out: seen.update(inp=a[0].dtype, out=out.dtype))
+    with torch.no_grad():
+        out = model(torch.randn(4, 8))
+        copy.deepcopy(model)(torch.randn(2, 8))
+    assert seen == {"inp": torch.float32, "out": torch.float16} and out.dtype == torch.float32
+    handle.remove()
+    mpfp16.to_float(model)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for name, m in model.named_modules() if name)
+
+
+def test_keep_fp32_refuses_a_name_no_module_has_and_a_bad_entry():
+    with pytest.raises(ValueError, match="keep_fp32 names 'nope', which no module of the Block is called"):
+        mpfp16.to_half(Block(), keep_fp32=["nope"])
+    with pytest.raises(ValueError, match="keep_fp32 takes module classes and module names, not 3"):
+        mpfp16.to_half(Block(), keep_fp32=[3])
+
+
+def test_inputs_named_in_keep_inputs_keep_their_dtype():
+    """A target passed by keyword stays fp32 (a regression target in the hundreds is
+    rounded in fp16); the model's input is cast."""
+    model = mpfp16.to_half(Block(), keep_inputs=["target"])
+    target = torch.randn(4, 3) * 300
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append((a[0].dtype, kw["target"])), with_kwargs=True)
+    model(torch.randn(4, 8), target=target)
+    assert seen[0][0] == torch.float16 and seen[0][1].dtype == torch.float32 and torch.equal(seen[0][1], target)

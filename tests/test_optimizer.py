@@ -784,3 +784,68 @@ def test_a_rounding_seed_a_generator_cannot_take_is_one_line(seed, words):
                              rounding_seed=seed)
     mpfp16.FP16Optimizer(make_inner("sgd", model.parameters()), master_weights=False, rounding="stochastic",
                          rounding_seed=2**64 - 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adagrad_built_over_the_16_bit_model_is_the_reference_bit_for_bit(dtype):
+    """torch's Adagrad fills its state when it is built (``sum`` in the parameters'
+    16-bit dtype, ``initial_accumulator_value`` rounded to it); FP16Optimizer took that
+    for a stepped optimizer and refused it. Now Adagrad builds its state again over the
+    fp32 masters, in fp32, and the run is the plain-torch reference's, bit for bit. An
+    Adagrad that has stepped is still refused."""
+    model, ref_model = pair(dtype)
+    scale = static_scale(dtype)
+    inner = make_inner("adagrad", model.parameters())
+    opt = mpfp16.FP16Optimizer(inner, loss_scale=scale)
+    data = batches(4)
+    assert all(train_mpfp16(model, opt, data))
+    assert {s["sum"].dtype for s in inner.state.values()} == {torch.float32}
+    train_reference(ref_model, "adagrad", data, scale=scale or 1.0)
+    assert_same_params(model, ref_model)
+    stepped = torch.optim.Adagrad(nn.Linear(2, 2).parameters())
+    for p in stepped.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    stepped.step()
+    with pytest.raises(ValueError, match="already has state"):
+        mpfp16.FP16Optimizer(stepped)
+
+
+def _fp16_loss_model():
+    """A model that computes its loss itself, in fp16 (as transformers' heads do), and
+    returns it cast to fp32 by to_half's output hook."""
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.fc(x), y)
+
+    torch.manual_seed(0)
+    return mpfp16.to_half(Head())
+
+
+def test_a_16_bit_loss_takes_the_largest_scale_its_gradient_holds():
+    """The loss's own gradient is the scale; for a loss computed in fp16 a scale above
+    65504 makes it inf at every step: at 2^16 (GradScaler's start) the first step was
+    always skipped. The dynamic scale now backs off to 2^15 before the step's first
+    backward (through the accumulation count's division too), the step is taken, and
+    the growth count starts again, as after GradScaler's back-off. A loss computed in
+    fp32 over fp16 outputs keeps 2^16. A static scale above 2^15 is refused in one
+    line."""
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    model = _fp16_loss_model()
+    opt = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    for micro in range(2):
+        opt.backward(model(x, y) / 2)
+    assert opt.loss_scale == 2.0 ** 15 and opt.step() and opt.skipped_steps == 0
+    assert opt.scaler.growth_tracker == 1
+    fc = mpfp16.to_half(nn.Linear(4, 3))
+    other = mpfp16.FP16Optimizer(torch.optim.SGD(fc.parameters(), lr=0.1))
+    other.backward(nn.functional.cross_entropy(fc(x), y))  # fp32: the hook widened the logits
+    assert other.loss_scale == 2.0 ** 16 and other.step()
+    static = mpfp16.FP16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scale=2.0 ** 16)
+    with pytest.raises(ValueError, match=r"the loss is float16 and the static loss scale 65536 is above the largest "
+                                         r"its gradient holds \(32768\)") as exc:
+        static.backward(model(x, y))
+    assert "\n" not in str(exc.value)
