@@ -3,6 +3,7 @@ from setuptools import find_packages, setup
 LIGHTNING = ["lightning>=2.4"]
 TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
 TORCHAO = ["torchao==0.18.0"]
+PEFT = ["peft>=0.21,<0.22"]  # the suite tests 0.21.0
 
 setup(
     name="mpfp16",
@@ -20,8 +21,9 @@ setup(
     # mpfp16.integrations.transformers (MPFP16Trainer); torchao: its low-bit optimizers as the
     # inner optimizer. The versions the suite tests are pinned. dev: the test suite, which
     # tests all three.
-    extras_require={"lightning": LIGHTNING, "transformers": TRANSFORMERS, "torchao": TORCHAO,
+    extras_require={"lightning": LIGHTNING, "transformers": TRANSFORMERS, "torchao": TORCHAO, "peft": PEFT,
                     "dev": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis", "matplotlib",
-                            "import-linter"] + LIGHTNING + TRANSFORMERS + TORCHAO},
+                            "import-linter"] + LIGHTNING + TRANSFORMERS + TORCHAO
+                            + ["peft==0.21.0"]},
     license="BSD-3-Clause",
 )

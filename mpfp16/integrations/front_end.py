@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from ..convert import to_half
 from ..optimizer import FP16Optimizer
 from ..options import check_options, check_rounding_seed, make_scaler, state_dtypes_of
 
-__all__ = ["FrontEndOptions"]
+__all__ = ["FrontEndOptions", "show_unscaled_gradients", "take_written_gradients"]
 
 ALLREDUCE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
 
@@ -23,7 +24,8 @@ class FrontEndOptions:
     trainer has made it)."""
 
     def __init__(self, dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
-                 allreduce_dtype, *, state_dtype=None, state_dtypes=None, state_rounding="nearest") -> None:
+                 allreduce_dtype, *, state_dtype=None, state_dtypes=None, state_rounding="nearest",
+                 keep_fp32=()) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         check_options(master_weights=master_weights, rounding=rounding, fused=fused, accumulate_dtype=accumulate_dtype,
@@ -38,6 +40,12 @@ class FrontEndOptions:
         self.allreduce_dtype = allreduce_dtype
         state_dtypes_of(None, state_dtype, state_dtypes, state_rounding)  # refuses a bad one now
         self.state_dtype, self.state_dtypes, self.state_rounding = state_dtype, state_dtypes, state_rounding
+        self.keep_fp32 = _checked_keep_fp32(keep_fp32)
+
+    def convert(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` converted in place as :func:`mpfp16.to_half` converts it, to this
+        dtype, with the modules ``keep_fp32`` names kept fp32."""
+        return to_half(model, self.dtype, keep_fp32=self.keep_fp32)
 
     def build(self, inner: torch.optim.Optimizer, model: torch.nn.Module, loss_scale=None) -> FP16Optimizer:
         """The FP16Optimizer over ``inner``, the torch optimizer the trainer made over
@@ -51,3 +59,45 @@ class FrontEndOptions:
                              rounding_seed=self.rounding_seed, accumulate_dtype=self.accumulate_dtype,
                              state_dtype=self.state_dtype, state_dtypes=self.state_dtypes,
                              state_rounding=self.state_rounding)
+
+
+def _checked_keep_fp32(keep_fp32) -> tuple:
+    """``keep_fp32`` as a tuple of module classes and names; anything else refused in one
+    line now, before any trainer runs (names are matched when the model is converted)."""
+    if isinstance(keep_fp32, (str, type)):
+        keep_fp32 = (keep_fp32,)
+    try:
+        entries = tuple(keep_fp32 or ())
+    except TypeError:
+        raise TypeError(f"keep_fp32 takes a list of module classes and module names, not {keep_fp32!r}") from None
+    for entry in entries:
+        if not ((isinstance(entry, type) and issubclass(entry, torch.nn.Module)) or (isinstance(entry, str) and entry)):
+            raise TypeError(f"keep_fp32 takes module classes and module names, not {entry!r}")
+    return entries
+
+
+@torch.no_grad()
+def show_unscaled_gradients(opt: FP16Optimizer) -> None:
+    """After ``opt.unscale_()``, for a framework's hook that reads the model's gradients
+    before the step (Lightning's ``on_before_optimizer_step``, the transformers
+    Trainer's ``on_pre_optimizer_step``): each 16-bit ``.grad`` set to its unscaled
+    fp32 gradient rounded to 16 bits, as the hook reads it under torch.amp. The step
+    reads the fp32 gradients that ``unscale_()`` wrote."""
+    pairs = [(p.grad, m.grad) for p, m in zip(opt.model_params(), opt.master_params())
+             if p is not m and p.grad is not None and m.grad is not None]
+    if pairs:
+        torch._foreach_copy_([g for g, _ in pairs], [m for _, m in pairs])
+
+
+@torch.no_grad()
+def take_written_gradients(opt: FP16Optimizer) -> None:
+    """After such a hook: a 16-bit ``.grad`` it wrote (zeroed, scaled, clipped again)
+    becomes its master's gradient, which the step reads, as an fp32 step reads what a
+    hook writes; an element whose bits are still its fp32 gradient's rounding keeps the
+    fp32 value."""
+    for p, m in zip(opt.model_params(), opt.master_params()):
+        if p is m or p.grad is None or m.grad is None:
+            continue
+        written = p.grad.view(torch.int16) != m.grad.to(p.dtype).view(torch.int16)
+        if bool(written.any()):
+            torch.where(written, p.grad.float(), m.grad, out=m.grad)

@@ -42,25 +42,29 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
+import os
 import weakref
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..convert import to_half
+from ..convert import keep_inputs_of, to_half
+from ..export import check_export, export_state_dict
 from ..optimizer import FP16Optimizer
 from ..parallel.ddp import attach
 from ..parallel.handles import handle_of
 from ..scaler import LossScaler
-from .front_end import FrontEndOptions
+from .front_end import FrontEndOptions, show_unscaled_gradients, take_written_gradients
 
 try:
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.utils import DistributedType
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_callback import CallbackHandler
     from transformers.training_args import OptimizerNames
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("mpfp16.integrations.transformers needs transformers and accelerate: "
@@ -96,16 +100,32 @@ class MPFP16Options(FrontEndOptions):
             the gradients' own).
         state_dtype, state_dtypes, state_rounding: the optimizer states' dtypes and
             their rounding, :class:`mpfp16.FP16Optimizer`'s options (``None``: fp32).
+        keep_fp32: more modules kept in fp32 (classes or names), as
+            :func:`mpfp16.to_half` takes them; norm classes and the model's
+            ``_keep_in_fp32_modules`` are kept without it.
+        keep_inputs: keyword inputs of the model's ``forward`` left in their dtype,
+            besides the Trainer's label names (``args.label_names``, by default the
+            model's: ``labels``), which always are.
+        export: what ``save_model`` and the checkpoints write as the model:
+            ``"masters"`` (the fp32 masters, as an fp32 model) or ``"weights"`` (each
+            tensor in the dtype the model holds it); either reloads with
+            ``from_pretrained`` as an fp32 model, nothing rounded (docs/TRANSFORMERS.md).
     """
 
     def __init__(self, dtype: torch.dtype = torch.float16, master_weights: bool | str = True,
                  loss_scale: Any = "dynamic", rounding: str = "nearest", *, accumulate_dtype: torch.dtype | None = None,
                  fused: bool | None = None, rounding_seed: int = 0, allreduce_dtype: torch.dtype | None = None,
                  state_dtype: torch.dtype | None = None, state_dtypes: dict | None = None,
-                 state_rounding: str = "nearest") -> None:
+                 state_rounding: str = "nearest", keep_fp32=(), keep_inputs=(), export: str = "masters") -> None:
         super().__init__(dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
                          allreduce_dtype, state_dtype=state_dtype, state_dtypes=state_dtypes,
-                         state_rounding=state_rounding)
+                         state_rounding=state_rounding, keep_fp32=keep_fp32)
+        if isinstance(keep_inputs, str):
+            keep_inputs = (keep_inputs,)
+        if not all(isinstance(name, str) and name for name in keep_inputs):
+            raise TypeError(f"keep_inputs takes the names of forward's keyword arguments, not {keep_inputs!r}")
+        self.keep_inputs = tuple(keep_inputs)
+        self.export = check_export(export)
 
     def build(self, inner: torch.optim.Optimizer, model: torch.nn.Module, loss_scale=None) -> FP16Optimizer:
         """The FP16Optimizer over ``inner``, the torch optimizer the Trainer made (or was
@@ -121,7 +141,8 @@ class MPFP16Options(FrontEndOptions):
                 f"loss_scale={self.loss_scale!r}, rounding={self.rounding!r}, "
                 f"accumulate_dtype={self.accumulate_dtype}, fused={self.fused!r}, "
                 f"allreduce_dtype={self.allreduce_dtype}, state_dtype={self.state_dtype}, "
-                f"state_dtypes={self.state_dtypes!r}, state_rounding={self.state_rounding!r})")
+                f"state_dtypes={self.state_dtypes!r}, state_rounding={self.state_rounding!r}, "
+                f"keep_fp32={self.keep_fp32!r}, keep_inputs={self.keep_inputs!r}, export={self.export!r})")
 
 
 class _AcceleratedFP16Optimizer(AcceleratedOptimizer):
@@ -141,6 +162,7 @@ class _AcceleratedFP16Optimizer(AcceleratedOptimizer):
     def __init__(self, optimizer: FP16Optimizer) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
         self._clip: tuple[float, torch.Tensor] | None = None  # (max norm, the norm's tensor) for the next step
+        self._shown: torch.Tensor | None = None  # the norm show_gradients filled, NaN'd if the step is skipped
 
     def clip_next_step(self, max_norm: float) -> torch.Tensor:
         """Clip the next step's unscaled fp32 gradients to ``max_norm`` (``inf``: only
@@ -149,6 +171,23 @@ class _AcceleratedFP16Optimizer(AcceleratedOptimizer):
         norm = torch.full((), math.nan, dtype=torch.float32, device=self.optimizer.master_params()[0].device)
         self._clip = (max_norm, norm)
         return norm
+
+    @torch.no_grad()
+    def show_gradients(self) -> None:
+        """Before the callbacks' ``on_pre_optimizer_step``: the gradients as the
+        Trainer gives them there in fp32, unscaled and clipped. The step unscales now
+        (the fp32 gradients in the masters' ``.grad``), the clipping asked for runs now
+        (``torch.nn.utils.clip_grad_norm_`` over the masters, as the Trainer clips its
+        fp32 model), and each 16-bit ``.grad`` is set to its fp32 gradient rounded, for
+        a callback that reads ``model.parameters()``."""
+        opt: FP16Optimizer = self.optimizer
+        opt.unscale_()
+        clip, self._clip = self._clip, None
+        if clip is not None:
+            grads = [m for m in opt.master_params() if m.grad is not None]
+            clip[1].copy_(torch.nn.utils.clip_grad_norm_(grads, clip[0]))
+            self._shown = clip[1]
+        show_unscaled_gradients(opt)
 
     def step(self, closure=None):
         if closure is not None:
@@ -167,6 +206,9 @@ class _AcceleratedFP16Optimizer(AcceleratedOptimizer):
             opt.max_grad_norm, opt.track_grad_norm = base
         if clip is not None and stepped:
             clip[1].fill_(opt.last_grad_norm)
+        shown, self._shown = self._shown, None  # the norm show_gradients measured
+        if shown is not None and not stepped:
+            shown.fill_(math.nan)
         self._is_overflow = not stepped
         if stepped:
             # A scheduler built over the inner optimizer (optimizers=(opt, sched)) wraps its
@@ -240,6 +282,50 @@ class _MPFP16Accelerator(Accelerator):
         _check_all_parameters(parameters, opt, "clip_grad_value_")
         opt.unscale_()
         torch.nn.utils.clip_grad_value_(opt.master_params(), clip_value)
+
+
+class _MPFP16CallbackHandler(CallbackHandler):
+    """The Trainer's callbacks, with what they read in ``on_pre_optimizer_step`` as the
+    Trainer's fp32 run gives it: when a callback overrides that hook, the gradients
+    are unscaled and clipped before it, and what it writes into them is stepped
+    (:meth:`_AcceleratedFP16Optimizer.show_gradients`). With no such callback the
+    step unscales and clips inside ``step()``, the fast path. :class:`MPFP16Trainer`
+    switches its handler's class to this one."""
+
+    _trainer: weakref.ref
+
+    def on_pre_optimizer_step(self, args, state, control):
+        wrapped = _prepared(self._trainer())
+        hooked = wrapped is not None and any(
+            type(cb).on_pre_optimizer_step is not TrainerCallback.on_pre_optimizer_step for cb in self.callbacks)
+        if hooked:
+            wrapped.show_gradients()
+        control = super().on_pre_optimizer_step(args, state, control)
+        if hooked:
+            take_written_gradients(wrapped.optimizer)
+        return control
+
+
+def _prepared(trainer) -> _AcceleratedFP16Optimizer | None:
+    opt = getattr(trainer, "optimizer", None)
+    return opt if isinstance(opt, _AcceleratedFP16Optimizer) else None
+
+
+def _check_own_checkpoint(checkpoint: str) -> None:
+    """Refuse, in one line, a checkpoint that transformers' own Trainer saved (at another
+    precision): its ``optimizer.pt`` is the torch optimizer's state over fp32 weights,
+    with no masters and no scale, and its ``scaler.pt`` is torch.amp's."""
+    path = os.path.join(checkpoint, "optimizer.pt")
+    if not os.path.isfile(path):
+        return
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(saved, dict) and str(saved.get("format", "")).startswith("mpfp16.FP16Optimizer"):
+        return
+    amp = " and torch.amp's scaler.pt" if os.path.isfile(os.path.join(checkpoint, "scaler.pt")) else ""
+    raise ValueError(f"{checkpoint} was saved by transformers' own Trainer (its optimizer.pt{amp} hold a torch optimizer's "
+                     "state over fp32 weights, no masters and no loss scale), and MPFP16Trainer resumes only its own "
+                     f"checkpoints: to go on from its weights, build the model with from_pretrained('{checkpoint}') and "
+                     "train without resume_from_checkpoint (the optimizer starts again)")
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -336,11 +422,16 @@ class MPFP16Trainer(Trainer):
         trainer = MPFP16Trainer(model=model, args=args, train_dataset=ds,
                                 mpfp16=MPFP16Options(dtype=torch.float16, loss_scale="dynamic"))
 
-    - The model is converted as :func:`mpfp16.to_half` converts it (norm layers stay
-      fp32; the floating-point inputs of its ``forward`` are cast to 16 bits and its
-      outputs to fp32), on ``args.device``, when the Trainer places it there (for a
-      ``model_init``, at every new model), before the optimizer is built and before
-      accelerate wraps it in DDP.
+    - The model is converted as :func:`mpfp16.to_half` converts it (norm layers, the
+      model's ``_keep_in_fp32_modules`` and ``keep_fp32`` stay fp32; the floating-point
+      inputs of its ``forward`` are cast to 16 bits, except the labels and
+      ``keep_inputs``, and its outputs to fp32), on ``args.device``, when the Trainer
+      places it there (for a ``model_init``, at every new model), before the optimizer
+      is built and before accelerate wraps it in DDP.
+    - ``save_model`` and each checkpoint write the model as ``export`` says (the fp32
+      masters by default), recorded as an fp32 model: ``from_pretrained`` rounds
+      nothing. A callback's ``on_pre_optimizer_step`` reads the unscaled, clipped
+      gradients, and what it writes there is stepped.
     - The Trainer's optimizer (``args.optim``, ``optimizer_cls_and_kwargs``, or the
       torch optimizer given in ``optimizers=``) becomes the inner optimizer of an
       FP16Optimizer; ``trainer.fp16_optimizer`` is that. The lr scheduler, the Trainer's
@@ -361,7 +452,8 @@ class MPFP16Trainer(Trainer):
       ``optimizer.pt`` beside the 16-bit weights; ``train(resume_from_checkpoint=...)``
       ends bit for bit where an uninterrupted run ends.
 
-    Refused in one line when the Trainer is built: ``fp16``/``bf16`` and their
+    Refused in one line: a checkpoint of transformers' own Trainer given to
+    ``resume_from_checkpoint``; when the Trainer is built, ``fp16``/``bf16`` and their
     ``*_full_eval`` in ``TrainingArguments``, DeepSpeed, FSDP, a
     ``parallelism_config``, optimizers that step inside backward (LOMO, layer-wise) or
     swap their parameters (schedule-free), several GPUs in one process, an
@@ -381,6 +473,10 @@ class MPFP16Trainer(Trainer):
         self._converted: weakref.WeakSet = weakref.WeakSet()
         super().__init__(*args, **kwargs)
         self._convert(self.model)  # one the Trainer did not place (place_model_on_device=False)
+        if self.model is not None:
+            keep_inputs_of(self.model, self._kept_inputs())  # the label names are set after the model was placed
+        self.callback_handler.__class__ = _MPFP16CallbackHandler
+        self.callback_handler._trainer = weakref.ref(self)
 
     # ------------------------------------------------------------------ set-up
 
@@ -400,8 +496,13 @@ class MPFP16Trainer(Trainer):
         if isinstance(model, DistributedDataParallel):
             raise TypeError("MPFP16Trainer got a DistributedDataParallel module: give it the model, and accelerate "
                             "wraps it under torchrun")
-        to_half(model, self._mpfp16.dtype)
+        to_half(model, self._mpfp16.dtype, keep_fp32=self._mpfp16.keep_fp32, keep_inputs=self._kept_inputs())
         self._converted.add(model)
+
+    def _kept_inputs(self) -> tuple[str, ...]:
+        """The keyword inputs the model's input hook leaves in their dtype: the label
+        names (known once the Trainer's ``__init__`` set them) and the user's."""
+        return tuple(getattr(self, "label_names", None) or ("labels",)) + self._mpfp16.keep_inputs
 
     def create_optimizer(self, model=None):
         self._convert(self.model if model is None else model)
@@ -410,6 +511,33 @@ class MPFP16Trainer(Trainer):
         inner = super().create_optimizer(model)
         self.optimizer = self._mpfp16.build(inner, self.model if model is None else model)
         return self.optimizer
+
+    # ------------------------------------------------------------------ resume
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        _check_own_checkpoint(resume_from_checkpoint)  # before any of it is loaded
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    # ------------------------------------------------------------------ export
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """``save_model`` and each checkpoint's model: the state_dict as ``export``
+        says (:func:`mpfp16.export.export_state_dict`), recorded as an fp32 model, so
+        that ``from_pretrained`` rounds nothing (it would build the model in the
+        dtype the config records: float16 rounds the fp32 norm layers)."""
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if self.args.should_save:
+            state_dict = export_state_dict(model, self.fp16_optimizer, self._mpfp16.export, state_dict)
+        super()._save(output_dir, state_dict=state_dict)
+        config = os.path.join(output_dir if output_dir is not None else self.args.output_dir, "config.json")
+        if self.args.should_save and os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                saved = json.load(f)
+            if saved.get("dtype") != "float32":
+                saved["dtype"] = "float32"
+                with open(config, "w", encoding="utf-8") as f:
+                    json.dump(saved, f, indent=2, sort_keys=True)
+                    f.write("\n")
 
     # ------------------------------------------------------------------ reports
 
