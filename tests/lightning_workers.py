@@ -90,19 +90,20 @@ def loader(data, resumable: bool = False):
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05, initial_accumulator_value=0.1),
 }
 
 
 def plugin_kwargs(mode: dict) -> dict:
     """The plugin's options for a test mode, less the scaler."""
     return {k: mode[k] for k in ("dtype", "master_weights", "rounding", "accumulate_dtype", "state_dtype",
-                                 "state_rounding") if k in mode}
+                                 "state_rounding", "keep_fp32", "export") if k in mode}
 
 
 def optimizer_kwargs(mode: dict) -> dict:
-    """FP16Optimizer's options for a test mode, less the scaler: the plugin's, less the
-    dtype (to_half's)."""
-    return {k: v for k, v in plugin_kwargs(mode).items() if k != "dtype"}
+    """FP16Optimizer's options for a test mode, less the scaler: the plugin's, less
+    to_half's (the dtype, the modules kept fp32) and what the model exports."""
+    return {k: v for k, v in plugin_kwargs(mode).items() if k not in ("dtype", "keep_fp32", "export")}
 
 
 def new_scaler(mode: dict):
@@ -189,7 +190,7 @@ def own_loop(mode: dict, data, *, seed: int = 0, epochs: int = 1, ddp: str | Non
     last batch ends an optimizer step whether or not ``accum`` divides the epoch.
     ``before_epoch(net, opt, epoch)`` runs before each epoch; ``compile``: the forward
     runs through ``torch.compile`` of the converted model."""
-    net = mpfp16.to_half(make_net(seed), mode.get("dtype", torch.float16))
+    net = mpfp16.to_half(make_net(seed), mode.get("dtype", torch.float16), keep_fp32=mode.get("keep_fp32", ()))
     forward = torch.compile(net) if compile else net
     model = {None: lambda m: m, "mpfp16": mdist.wrap,
              "torch": torch.nn.parallel.DistributedDataParallel}[ddp](net)

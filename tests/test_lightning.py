@@ -32,6 +32,10 @@ MODES = {
     "fp16-skips": {"init_scale": 2.0 ** 24, "inf_batches": (9,), "optimizer": "adamw"},
     "fp16-adamw-bf16-states-stochastic": {"optimizer": "adamw", "state_dtype": torch.bfloat16,
                                           "state_rounding": "stochastic"},
+    # Adagrad fills its state when it is built, over the 16-bit parameters
+    "fp16-adagrad": {"optimizer": "adagrad"},
+    # the last Linear kept fp32 by name ("3": a whole component of the LightningModule's "net.3" and of the net's "3")
+    "fp16-keep-fp32-last-layer": {"keep_fp32": ["3"], "optimizer": "adamw"},
 }
 
 
@@ -52,6 +56,8 @@ def test_trainer_is_the_own_loop_bit_for_bit(name):
     assert trainer.global_step == len(stepped)
     assert next(lit.net.parameters()).dtype == mode.get("dtype", torch.float16)
     assert lit.net[1].weight.dtype == torch.float32  # LayerNorm stays fp32, as to_half keeps it
+    if "keep_fp32" in mode:  # the plugin's keep_fp32 reaches to_half
+        assert lit.net[3].weight.dtype == torch.float32 and lit.net[0].weight.dtype == torch.float16
     if "init_scale" in mode:
         assert stepped.count(False) == plugin.skipped_steps > 1
     if "state_dtype" in mode:  # the plugin's option reaches the FP16Optimizer it builds
@@ -61,7 +67,8 @@ def test_trainer_is_the_own_loop_bit_for_bit(name):
 
 @pytest.mark.parametrize("name", ["fp16-masters-sgd", "bf16-masters-adamw", "fp16-no-masters-kahan-adamw",
                                   "fp16-accumulate-4", "fp16-accumulate-4-fp32-sums", "fp16-skips",
-                                  "fp16-clip-norm-adamw-skips", "fp16-clip-value", "fp16-adamw-bf16-states-stochastic"])
+                                  "fp16-clip-norm-adamw-skips", "fp16-clip-value", "fp16-adamw-bf16-states-stochastic",
+                                  "fp16-adagrad", "fp16-keep-fp32-last-layer"])
 def test_fabric_is_the_own_loop_bit_for_bit(name):
     """Accumulation runs under fabric.no_backward_sync, as Fabric's docs write it (on one
     device it is a no-op); clipping is fabric.clip_gradients, by norm (max_norm=) or by
@@ -73,6 +80,8 @@ def test_fabric_is_the_own_loop_bit_for_bit(name):
     assert W.same(W.state(net, plugin.optimizer), W.state(ref, opt))
     assert stepped == own
     assert optimizer.optimizer is plugin.optimizer  # the Fabric optimizer now steps the FP16Optimizer
+    if "keep_fp32" in mode:
+        assert net[3].weight.dtype == torch.float32 and net[0].weight.dtype == torch.float16
 
 
 def test_skipped_steps_count_as_with_torch_amp():
@@ -102,14 +111,17 @@ def test_loss_scale_monitor_logs_the_scale_and_the_skips():
     assert float(metrics["skipped_steps"]) == plugin.skipped_steps > 0
 
 
-def test_resume_from_a_lightning_checkpoint_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("export", ["masters", "weights"])
+def test_resume_from_a_lightning_checkpoint_is_bit_identical(tmp_path, export):
     """ModelCheckpoint's last.ckpt after 2 epochs, resumed by fit(ckpt_path=...) into a
     model built from other weights, ends where 4 uninterrupted epochs end; the
     checkpoint holds FP16Optimizer's state (masters, inner state, scaler) and loads
-    with weights_only=True."""
+    with weights_only=True. Its state_dict is the fp32 masters (export="masters",
+    which the fp32 model, converted, rounds to the weights) or the 16-bit weights
+    (export="weights"): either resumes bit for bit."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    mode = {"optimizer": "adamw", "init_scale": 2.0 ** 20, "scheduler": True}
+    mode = {"optimizer": "adamw", "init_scale": 2.0 ** 20, "scheduler": True, "export": export}
     data = W.make_data(8, inf_batches=(3,))
     whole, plugin, _ = W.fit_trainer(mode, data, epochs=4)
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
@@ -117,6 +129,7 @@ def test_resume_from_a_lightning_checkpoint_is_bit_identical(tmp_path):
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
     opt_state = saved["optimizer_states"][0]
     assert {"format", "optimizer", "scaler", "master_weights"} <= set(opt_state)
+    assert saved["state_dict"]["net.0.weight"].dtype == (torch.float32 if export == "masters" else torch.float16)
     resumed, plugin2, trainer = W.fit_trainer(mode, data, epochs=4, net=W.make_net(5), checkpointing=True,
                                               callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)],
                                               ckpt_path=str(tmp_path / "last.ckpt"), default_root_dir=tmp_path)
@@ -269,7 +282,7 @@ def test_trainer_refusals():
     two = W.lit_module(W.make_net(0), {})
     two.configure_optimizers = lambda: [torch.optim.SGD(two.net[0].parameters(), lr=0.1),
                                         torch.optim.SGD(two.net[3].parameters(), lr=0.1)]
-    # Lightning refuses this itself (several optimizers need manual optimization, which the plugin refuses)
+    # Lightning refuses this itself: several optimizers need manual optimization (tests/test_lightning_callbacks.py)
     cases.append((two, "multiple optimizers is only supported with manual optimization"))
     lbfgs = W.lit_module(W.make_net(0), {})
     lbfgs.configure_optimizers = lambda: torch.optim.LBFGS(lbfgs.parameters())
@@ -278,9 +291,6 @@ def test_trainer_refusals():
     wrapped.configure_optimizers = lambda: __import__("mpfp16").FP16Optimizer(
         torch.optim.SGD(wrapped.parameters(), lr=0.1))
     cases.append((wrapped, "already an FP16Optimizer"))
-    manual = W.lit_module(W.make_net(0), {})
-    manual.automatic_optimization = False
-    cases.append((manual, "needs automatic optimization"))
     for lit, words in cases:
         with pytest.raises((ValueError, RuntimeError)) as exc:
             _fit(lit)
@@ -307,15 +317,12 @@ def test_fabric_refusals():
     with pytest.raises(RuntimeError) as exc:
         optimizer.step()  # no backward yet: nothing was wrapped
     assert "run fabric.backward(loss) before" in _one_line(exc)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[MPFP16FabricPrecision()])
-    net = W.make_net(0)
-    model = fabric.setup_module(net)
-    held = [fabric.setup_optimizers(torch.optim.SGD(net[0].parameters(), lr=0.1)),
-            fabric.setup_optimizers(torch.optim.SGD(net[3].parameters(), lr=0.1))]
-    x, y = W.make_data(1)[0]
-    with pytest.raises(RuntimeError) as exc:
-        fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
-    assert "2 optimizers" in _one_line(exc) and len(held) == 2
+    with pytest.raises(TypeError) as exc:
+        MPFP16FabricPrecision(keep_fp32=[3])
+    assert "keep_fp32 takes module classes and module names" in _one_line(exc)
+    with pytest.raises(ValueError) as exc:
+        MPFP16Precision(export="fp32")
+    assert "export='fp32'" in _one_line(exc)
 
 
 def test_the_guides_fabric_example_runs(tmp_path, monkeypatch):

@@ -247,7 +247,9 @@ def test_an_ema_swapped_in_for_validation_changes_no_step(ema):
     five validations in 16 batches) and swapped back: training is the own loop's bit for
     bit. Lightning's EMAWeightAveraging keeps its average in fp32 (it copies the module
     before the plugin converts it) and, at the end of fit, writes the average into the
-    weights: the masters are then the own loop's, the weights the average's rounding."""
+    weights: the masters are then the own loop's, the weights the average's rounding,
+    and the model's export (a checkpoint after fit) that average, as a write since the
+    last step counts."""
     from lightning.pytorch.callbacks import EMAWeightAveraging
 
     mode = {"optimizer": "adamw"}
@@ -267,6 +269,10 @@ def test_an_ema_swapped_in_for_validation_changes_no_step(ema):
         average = list(callback._average_model.module.parameters())
         assert average[0].dtype == torch.float32
         assert all(torch.equal(p, a.to(p.dtype)) for p, a in zip(lit.parameters(), average))
+        # the export (a checkpoint's state_dict) is then the average the weights hold, not the trained masters
+        exported = plugin.export_state_dict()
+        assert all(exported[n].dtype == torch.float32 and torch.equal(exported[n].to(p.dtype), p)
+                   for n, p in lit.named_parameters())
 
 
 def _halve_first_layer(net, epoch):
