@@ -518,3 +518,47 @@ def test_a_peft_lora_model_trains_and_saves_its_fp32_adapters(tmp_path, monkeypa
         if p.requires_grad:
             assert back[name].dtype == torch.float32 and torch.equal(back[name], masters[id(p)])
     assert (path / "adapter_model.safetensors").exists()
+
+
+# ---------------------------------------------------------------- targets keep their dtype
+
+
+class Regression(L.LightningModule):
+    """A regression head on float targets in [100, 500): MSE in fp32 on the targets the
+    step was given, whose dtype each step records."""
+
+    def __init__(self, dict_batch: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.dict_batch, self.target_dtypes, self.losses = dict_batch, [], []
+
+    def training_step(self, batch, i):
+        x, y = (batch["x"], batch["labels"]) if self.dict_batch else batch
+        self.target_dtypes.append(y.dtype)
+        loss = F.mse_loss(self.net(x).float().squeeze(1), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-5)
+
+
+@pytest.mark.parametrize("batch", ["dict", "tuple"])
+def test_a_regression_target_keeps_its_dtype(batch):
+    """A dict batch's ``labels`` (by default) and a tuple batch's position 1
+    (``keep_inputs=[1]``) reach the step in fp32, where "16-true"'s cast rounded them to
+    fp16; the losses are "32-true"'s to 1%."""
+    g = torch.Generator().manual_seed(0)
+    xs, ys = torch.randn(4, 4, 8, generator=g), torch.rand(4, 4, generator=g) * 400 + 100
+    data = [{"x": x, "labels": y} for x, y in zip(xs, ys)] if batch == "dict" else list(zip(xs, ys))
+    plugin = MPFP16Precision(loss_scale=2.0 ** 4, **({} if batch == "dict" else {"keep_inputs": [1]}))
+    runs = {}
+    for name, kwargs in (("mine", {"plugin": plugin}), ("fp32", {"precision": "32-true"})):
+        lit = Regression(batch == "dict")
+        kwargs = dict(kwargs)
+        trainer = _trainer(kwargs.pop("plugin", None), **kwargs)
+        trainer.fit(lit, torch.utils.data.DataLoader(data, batch_size=None))
+        runs[name] = lit
+    assert set(runs["mine"].target_dtypes) == {torch.float32} and len(runs["mine"].losses) == 4
+    assert all(abs(a - b) <= 1e-2 * b for a, b in zip(runs["mine"].losses, runs["fp32"].losses))

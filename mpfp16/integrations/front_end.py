@@ -25,7 +25,7 @@ class FrontEndOptions:
 
     def __init__(self, dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
                  allreduce_dtype, *, state_dtype=None, state_dtypes=None, state_rounding="nearest",
-                 keep_fp32=()) -> None:
+                 keep_fp32=(), keep_inputs=()) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         check_options(master_weights=master_weights, rounding=rounding, fused=fused, accumulate_dtype=accumulate_dtype,
@@ -41,11 +41,19 @@ class FrontEndOptions:
         state_dtypes_of(None, state_dtype, state_dtypes, state_rounding)  # refuses a bad one now
         self.state_dtype, self.state_dtypes, self.state_rounding = state_dtype, state_dtypes, state_rounding
         self.keep_fp32 = _checked_keep_fp32(keep_fp32)
+        if isinstance(keep_inputs, (str, int)):
+            keep_inputs = (keep_inputs,)
+        if not all((isinstance(k, str) and k) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
+                   for k in keep_inputs):
+            raise TypeError(f"keep_inputs takes input names (and a batch's positions), not {keep_inputs!r}")
+        self.keep_inputs = tuple(keep_inputs)
 
     def convert(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` converted in place as :func:`mpfp16.to_half` converts it, to this
-        dtype, with the modules ``keep_fp32`` names kept fp32."""
-        return to_half(model, self.dtype, keep_fp32=self.keep_fp32)
+        dtype, with the modules ``keep_fp32`` names kept fp32 and the keyword inputs
+        ``keep_inputs`` names left in their dtype."""
+        return to_half(model, self.dtype, keep_fp32=self.keep_fp32,
+                       keep_inputs=[k for k in self.keep_inputs if isinstance(k, str)])
 
     def build(self, inner: torch.optim.Optimizer, model: torch.nn.Module, loss_scale=None) -> FP16Optimizer:
         """The FP16Optimizer over ``inner``, the torch optimizer the trainer made over

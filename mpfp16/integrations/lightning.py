@@ -22,6 +22,7 @@ mpfp16`` never imports this module.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import weakref
@@ -217,12 +218,29 @@ class _ExportHook:
         return dict(self.__dict__, _plugin=None, _module=None)
 
 
-def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+def _cast_floating(data: Any, dtype: torch.dtype, keep=()) -> Any:
     """Every floating-point tensor in ``data`` (a batch: tensors in any nesting of
     collections, dataclasses included) cast to ``dtype``; integer tensors (labels, token
     ids) and other objects as they are. Lightning's ``"16-true"`` plugins cast a batch
-    the same way (``HalfPrecision.convert_input``)."""
-    return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+    the same way (``HalfPrecision.convert_input``). What ``keep`` names at the batch's
+    top level stays as it is: a dict's key, a namedtuple's or dataclass's field (a
+    name), or a tuple's or list's position (an int): a regression target, rounded to
+    16 bits, is no longer the target."""
+    def cast(value):
+        return apply_to_collection(value, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    names = {k for k in keep if isinstance(k, str)}
+    positions = {k for k in keep if isinstance(k, int)}
+    if isinstance(data, dict) and names:
+        return type(data)((k, v if k in names else cast(v)) for k, v in data.items())
+    if isinstance(data, tuple) and hasattr(data, "_fields") and names:
+        return type(data)(*(v if f in names else cast(v) for f, v in zip(data._fields, data)))
+    if isinstance(data, (tuple, list)) and positions:
+        return type(data)(v if i in positions else cast(v) for i, v in enumerate(data))
+    if dataclasses.is_dataclass(data) and not isinstance(data, type) and names:
+        return dataclasses.replace(data, **{f.name: cast(getattr(data, f.name)) for f in dataclasses.fields(data)
+                                            if f.name not in names and f.init})
+    return cast(data)
 
 
 def _set_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -439,6 +457,9 @@ class MPFP16Precision(_Shared, Precision):
     :class:`mpfp16.FP16Optimizer` takes them; ``allreduce_dtype``: as
     :func:`mpfp16.distributed.wrap` takes it; ``keep_fp32``: as :func:`mpfp16.to_half`
     takes it (names as the LightningModule's ``named_modules()`` gives them);
+    ``keep_inputs``: what a batch keeps in its dtype (a dict's keys or a namedtuple's
+    fields by name, a tuple's positions by int; default a dict batch's ``labels``), and
+    the keyword inputs of ``forward`` of those names;
     ``export``: ``"masters"`` or ``"weights"``, what the model's ``state_dict`` holds.
     """
 
@@ -446,10 +467,11 @@ class MPFP16Precision(_Shared, Precision):
                  loss_scale: Any = "dynamic", rounding: str = "nearest", *, accumulate_dtype: torch.dtype | None = None,
                  fused: bool | None = None, rounding_seed: int = 0, allreduce_dtype: torch.dtype | None = None,
                  state_dtype: torch.dtype | None = None, state_dtypes: dict | None = None,
-                 state_rounding: str = "nearest", keep_fp32=(), export: str = "masters") -> None:
+                 state_rounding: str = "nearest", keep_fp32=(), keep_inputs=("labels",),
+                 export: str = "masters") -> None:
         self._options = _Options(dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
                                  allreduce_dtype, state_dtype=state_dtype, state_dtypes=state_dtypes,
-                                 state_rounding=state_rounding, keep_fp32=keep_fp32)
+                                 state_rounding=state_rounding, keep_fp32=keep_fp32, keep_inputs=keep_inputs)
         self._export = check_export(export)
         self.precision = _DTYPES[dtype]
         self.optimizers: list[FP16Optimizer] = []  # made when fit() sets up, one per configure_optimizers optimizer
@@ -486,7 +508,7 @@ class MPFP16Precision(_Shared, Precision):
         and prediction step: a step that calls a submodule (``self.net(x)``) gives it
         the 16-bit input that ``self(x)`` would. That submodule's outputs are 16-bit;
         only the converted LightningModule's own ``forward`` casts its outputs to fp32."""
-        return _cast_floating(data, self._options.dtype)
+        return _cast_floating(data, self._options.dtype, self._options.keep_inputs)
 
     def connect(self, model, optimizers: list, lr_schedulers: list):
         if not optimizers or optimizers == self.optimizers:  # evaluation; or after this plugin's own fit
@@ -669,10 +691,10 @@ class MPFP16FabricPrecision(_Shared, FabricPrecision):
                  loss_scale: Any = "dynamic", rounding: str = "nearest", *, accumulate_dtype: torch.dtype | None = None,
                  fused: bool | None = None, rounding_seed: int = 0, state_dtype: torch.dtype | None = None,
                  state_dtypes: dict | None = None, state_rounding: str = "nearest", keep_fp32=(),
-                 export: str = "masters") -> None:
+                 keep_inputs=("labels",), export: str = "masters") -> None:
         self._options = _Options(dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
                                  None, state_dtype=state_dtype, state_dtypes=state_dtypes,
-                                 state_rounding=state_rounding, keep_fp32=keep_fp32)
+                                 state_rounding=state_rounding, keep_fp32=keep_fp32, keep_inputs=keep_inputs)
         self._export = check_export(export)
         self.precision = _DTYPES[dtype]
         self.optimizers: list[FP16Optimizer] = []  # made at the first fabric.backward()
@@ -701,7 +723,7 @@ class MPFP16FabricPrecision(_Shared, FabricPrecision):
         LightningModule's ``training_step`` under DDP) gets its batch cast too; one
         called on it directly on one device does not, as under ``"16-true"``: the loop
         casts that batch with this method (docs/LIGHTNING.md)."""
-        return _cast_floating(data, self._options.dtype)
+        return _cast_floating(data, self._options.dtype, self._options.keep_inputs)
 
     def convert_output(self, data: Any) -> Any:
         """The floating-point tensors that module returns, cast to fp32 (as

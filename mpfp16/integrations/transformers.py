@@ -119,12 +119,9 @@ class MPFP16Options(FrontEndOptions):
                  state_rounding: str = "nearest", keep_fp32=(), keep_inputs=(), export: str = "masters") -> None:
         super().__init__(dtype, master_weights, loss_scale, rounding, accumulate_dtype, fused, rounding_seed,
                          allreduce_dtype, state_dtype=state_dtype, state_dtypes=state_dtypes,
-                         state_rounding=state_rounding, keep_fp32=keep_fp32)
-        if isinstance(keep_inputs, str):
-            keep_inputs = (keep_inputs,)
-        if not all(isinstance(name, str) and name for name in keep_inputs):
+                         state_rounding=state_rounding, keep_fp32=keep_fp32, keep_inputs=keep_inputs)
+        if not all(isinstance(name, str) for name in self.keep_inputs):
             raise TypeError(f"keep_inputs takes the names of forward's keyword arguments, not {keep_inputs!r}")
-        self.keep_inputs = tuple(keep_inputs)
         self.export = check_export(export)
 
     def build(self, inner: torch.optim.Optimizer, model: torch.nn.Module, loss_scale=None) -> FP16Optimizer:
