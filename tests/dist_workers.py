@@ -351,17 +351,23 @@ def perturb_one_rank(rank, where):
     return out
 
 
-def script_in_own_folder(rank, root, folders, argv, nudge_rank=None):
+def script_in_own_folder(rank, root, folders, argv, nudge_rank=None, nudge_step=1):
     """train_cifar's command line on this rank, run from its own working directory
     (``root/folders[rank]``): with a relative --checkpoint-dir, the ranks then see
     different files under one path, as nodes without a shared file system do.
-    On ``nudge_rank``, the first step moves one master weight by one ulp."""
+    On ``nudge_rank``, step ``nudge_step`` ends by moving one master weight by one ulp.
+
+    A nudge is certain to be there at a replica check only when no optimizer step
+    comes between them: the next step's update can round it away (a master that
+    grows from 2^-11 to 2^-9 in one step has a coarser ulp; whether it does depends
+    on the values, and those on the CPU's convolution kernels). Nudge at the step
+    the check follows."""
     if rank == nudge_rank:
         step = mpfp16.FP16Optimizer.step
 
         def nudged(self, *args, **kwargs):
             stepped = step(self, *args, **kwargs)
-            if self.iteration == 1:
+            if self.iteration == nudge_step:
                 with torch.no_grad():
                     m = self.master_params()[0].view(-1)
                     m[0] = torch.nextafter(m[0], torch.tensor(float("inf")))
