@@ -24,6 +24,15 @@ def test_a_one_ulp_change_of_any_single_element_changes_the_checksum(dtype, nume
         assert not torch.equal(tensor_checksum(changed), reference), i
 
 
+def test_a_change_in_the_bytes_past_the_last_whole_word_is_caught():
+    """The bytes after the last whole 8-byte word count as one zero-padded word: added
+    as separate bytes, fp16 [1.0009765625, 0, 0] (bits 0x3C01) and [1.25, 0, 0] (0x3D00)
+    gave one checksum."""
+    a = torch.tensor([1.0009765625, 0.0, 0.0], dtype=torch.float16)
+    b = torch.tensor([1.25, 0.0, 0.0], dtype=torch.float16)
+    assert not torch.equal(tensor_checksum(a), tensor_checksum(b))
+
+
 def test_values_swapped_between_rows_are_caught():
     t = torch.arange(4096, dtype=torch.float32)
     swapped = t.clone()

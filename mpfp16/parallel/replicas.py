@@ -43,7 +43,7 @@ _ROW = 256  # int64 words per row of the row-weighted sum
 
 def _words(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``t``'s bytes in memory order: as int64 words, and the last ``nbytes % 8`` bytes
-    as int64 values."""
+    as one more word, zero-padded (a 0-dim int64 tensor; 0 when there are none)."""
     if t.is_contiguous():
         flat = t.reshape(-1)
     elif is_dense(t):  # channels_last and the like: the same bytes, in memory order
@@ -55,7 +55,9 @@ def _words(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     body = raw[:whole]
     if body.data_ptr() % 8:
         body = body.clone()
-    return body.view(torch.int64), raw[whole:].to(torch.int64)
+    tail = raw[whole:].to(torch.int64)  # little-endian: byte i is bits 8i..8i+7 of the padded word
+    shifts = torch.arange(tail.numel(), dtype=torch.int64, device=tail.device) * 8
+    return body.view(torch.int64), (tail << shifts).sum()
 
 
 def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
