@@ -114,6 +114,31 @@ class TrainConfig:
     lr_schedule: str | None = None
     resize_phases: list[tuple[int, int]] = field(default_factory=list)  # (start epoch, image size)
     seed: int = 0
+    # torchvision's reference recipe (references/classification/train.py), by its names
+    lr_warmup_method: str = "linear"  # linear | constant (torchvision's)
+    lr_warmup_decay: float = 0.01  # the warm-up's starting factor (torchvision's --lr-warmup-decay)
+    lr_step_size: int = 30  # steplr: epochs between decays
+    lr_gamma: float = 0.1  # steplr / exponentiallr: the factor
+    lr_min: float = 0.0  # cosineannealinglr: eta_min
+    norm_weight_decay: float | None = None  # None: --weight-decay
+    bias_weight_decay: float | None = None
+    transformer_embedding_decay: float | None = None
+    auto_augment: str | None = None  # ra | ta_wide | augmix | imagenet
+    ra_magnitude: int = 9
+    augmix_severity: int = 3
+    random_erase: float = 0.0
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    val_resize_size: int | None = None  # None: the task's rule (imagenet: image size * 256/224)
+    val_crop_size: int | None = None  # None: the image size
+    interpolation: str = "bilinear"  # nearest | bilinear | bicubic
+    ra_sampler: bool = False  # repeated augmentation (torchvision's RASampler)
+    ra_reps: int = 3
+    model_ema: bool = False  # an EMA of the fp32 masters, evaluated beside the model
+    model_ema_steps: int = 32  # optimizer steps between EMA updates
+    model_ema_decay: float = 0.99998  # per-step decay, as torchvision's --model-ema-decay
+    weights: str | None = None  # a local file of weights to start from (nothing is downloaded)
+    use_deterministic_algorithms: bool = False
     # precision
     precision: str = "fp16"
     master_weights: bool | str = True  # False: none; "remainder" (bf16): held as the weights and 16-bit remainders
