@@ -4,6 +4,7 @@ LIGHTNING = ["lightning>=2.4"]
 TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
 TORCHAO = ["torchao==0.18.0"]
 PEFT = ["peft>=0.21,<0.22"]  # the suite tests 0.21.0
+TIMM = ["timm>=1.0.31,<1.1"]  # the suite tests 1.0.31
 
 setup(
     name="mpfp16",
@@ -21,9 +22,9 @@ setup(
     # mpfp16.integrations.transformers (MPFP16Trainer); torchao: its low-bit optimizers as the
     # inner optimizer. The versions the suite tests are pinned. dev: the test suite, which
     # tests all three.
-    extras_require={"lightning": LIGHTNING, "transformers": TRANSFORMERS, "torchao": TORCHAO, "peft": PEFT,
+    extras_require={"lightning": LIGHTNING, "transformers": TRANSFORMERS, "torchao": TORCHAO, "peft": PEFT, "timm": TIMM,
                     "dev": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis", "matplotlib",
                             "import-linter"] + LIGHTNING + TRANSFORMERS + TORCHAO
-                            + ["peft==0.21.0"]},
+                            + ["peft==0.21.0", "timm==1.0.31"]},
     license="BSD-3-Clause",
 )
