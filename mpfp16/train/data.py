@@ -8,16 +8,25 @@ Every random choice a sample's augmentation makes is seeded by (seed, epoch, ind
 the sampler yields ``(epoch, index)`` keys, and the data set seeds the transform from
 them. The data order comes from :class:`ResumableDistributedSampler`. So a run that
 resumes mid-epoch sees exactly the samples, in exactly the order and with exactly the
-crops, that the uninterrupted run saw, whatever the number of loader workers.
+crops, that the uninterrupted run saw, whatever the number of loader workers. With
+repeated augmentation (:class:`mpfp16.train.sampler.RepeatedAugmentationSampler`) the
+keys are ``(epoch, index, position)``: the seed includes the position in the epoch's
+order, so that the repeats of an image are augmented differently.
+
+The transforms are torchvision's reference recipe (:mod:`mpfp16.train.augment`), with
+the settings of :class:`mpfp16.train.augment.Augmentation`; without any, the pipelines
+are the ones before the recipe existed.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +36,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.transforms import v2
 
 from ..errors import DataError, one_line
+from . import augment
+from .augment import Augmentation
 from .config import BAD_IMAGE_POLICIES
+from .sampler import RepeatedAugmentationSampler
 
 __all__ = ["DataSpec", "synthetic_images", "load_cifar10", "ImageFolderSplit", "InMemoryImages",
-           "ResumableDistributedSampler", "ShardSampler", "StepBatches", "make_loader", "cifar_data", "imagenet_data",
+           "ResumableDistributedSampler", "RepeatedAugmentationSampler", "ShardSampler", "StepBatches", "make_loader",
+           "train_sampler", "cifar_data", "imagenet_data", "imagenet_transforms", "sample_seed", "Augmentation",
            "check_no_link_loop", "single_class_warning"]
 
 logger = logging.getLogger("mpfp16")
@@ -51,12 +64,23 @@ class DataSpec:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     description: str
+    # size -> the (train, val) transforms at training crop ``size`` (the resize phases);
+    # None where they never change (CIFAR)
+    make_transforms: Callable[[int], tuple] | None = None
 
 
-def sample_seed(seed: int, epoch: int, index: int) -> int:
+def sample_seed(seed: int, epoch: int, index: int, position: int | None = None) -> int:
     """A 63-bit seed for one sample's augmentation (int-tuple hashing is stable across
-    processes; only str and bytes hashes are randomized)."""
-    return hash((seed, epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF
+    processes; only str and bytes hashes are randomized). ``position``, the sample's
+    place in the epoch's order, where the order repeats indices (repeated
+    augmentation): each repeat gets its own draw. Without it, the seed of before."""
+    key = (seed, epoch, index) if position is None else (seed, epoch, index, position)
+    return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _key_seed(seed: int, key) -> int:
+    """The seed of a sampler's key: ``(epoch, index)`` or ``(epoch, index, position)``."""
+    return sample_seed(seed, *key)
 
 
 def _apply_transform(transform, image: torch.Tensor, seed: int | None) -> torch.Tensor:
@@ -64,9 +88,7 @@ def _apply_transform(transform, image: torch.Tensor, seed: int | None) -> torch.
         return image
     if seed is None:
         return transform(image)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return transform(image)
+    return augment.seeded(transform, seed, image)  # the CPU generator only, restored after
 
 
 # ----------------------------------------------------------------- synthetic data
@@ -179,8 +201,8 @@ class InMemoryImages(Dataset):
         return len(self.labels)
 
     def __getitem__(self, key):
-        epoch, index = key
-        image = _apply_transform(self.transform, self.images[index], sample_seed(self.seed, epoch, index))
+        index = key[1]
+        image = _apply_transform(self.transform, self.images[index], _key_seed(self.seed, key))
         return image, self.labels[index]
 
 
@@ -301,9 +323,8 @@ class ImageFolderSplit(Dataset):
         raise DataError(f"no image of the {len(self.samples)} in {os.path.dirname(os.path.dirname(path))} decodes")
 
     def __getitem__(self, key):
-        epoch, index = key
-        image, label = self._load(index)
-        return _apply_transform(self.transform, image, sample_seed(self.seed, epoch, index)), label
+        image, label = self._load(key[1])
+        return _apply_transform(self.transform, image, _key_seed(self.seed, key)), label
 
 
 # ----------------------------------------------------------------- samplers
@@ -334,6 +355,11 @@ class ResumableDistributedSampler(Sampler):
         self.shuffle, self.seed = shuffle, seed
         self.epoch, self.start = 0, 0
 
+    @property
+    def epoch_size(self) -> int:
+        """The samples of an epoch's order, over all ranks: the data set's size."""
+        return self.size
+
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Reshuffle for ``epoch`` and begin after its first ``start`` samples (all ranks')."""
         self.epoch, self.start = epoch, start
@@ -353,6 +379,18 @@ class ResumableDistributedSampler(Sampler):
 
     def __len__(self) -> int:
         return max(0, self.size - self.start) // self.num_replicas
+
+
+def train_sampler(dataset, num_replicas: int, rank: int, *, seed: int = 0, ra_sampler: bool = False,
+                  ra_reps: int = 3):
+    """The training sampler: :class:`ResumableDistributedSampler`, or with ``ra_sampler``
+    torchvision's repeated augmentation, ``ra_reps`` repeats of each sample
+    (:class:`RepeatedAugmentationSampler`). Both yield this rank's keys of one order
+    dealt round the ranks, from ``set_epoch(epoch, start)``'s position on, and tell its
+    length over all ranks as ``epoch_size``."""
+    if ra_sampler:
+        return RepeatedAugmentationSampler(dataset, num_replicas, rank, shuffle=True, seed=seed, repetitions=ra_reps)
+    return ResumableDistributedSampler(dataset, num_replicas, rank, shuffle=True, seed=seed)
 
 
 class ShardSampler(Sampler):
@@ -407,12 +445,15 @@ def make_loader(dataset, sampler, batch_size: int, workers: int, pin_memory: boo
 # ----------------------------------------------------------------- the two recipes
 
 
-def _cifar_train_transform(size: int):
-    return v2.Compose([v2.RandomCrop(size, padding=size // 8, padding_mode="reflect"), v2.RandomHorizontalFlip()])
+def _cifar_train_transform(size: int, aug: Augmentation | None = None, mean=(0.5, 0.5, 0.5)):
+    return augment.cifar_train_transform(size, aug, mean)
 
 
-def cifar_data(root: str | None, seed: int, synthetic_size: tuple[int, int]) -> DataSpec:
-    """CIFAR-10 from ``root``, or the embedded synthetic set (32x32, 10 classes)."""
+def cifar_data(root: str | None, seed: int, synthetic_size: tuple[int, int],
+               augmentation: Augmentation | None = None) -> DataSpec:
+    """CIFAR-10 from ``root``, or the embedded synthetic set (32x32, 10 classes).
+    ``augmentation``: the recipe's policy, erasing and validation resize/crop
+    (:func:`mpfp16.train.augment.cifar_train_transform`); None: none of them."""
     if root is None:
         (xtr, ytr), (xva, yva) = synthetic_images(synthetic_size[0], 32, 10, seed=1), \
             synthetic_images(synthetic_size[1], 32, 10, seed=2)
@@ -425,31 +466,41 @@ def cifar_data(root: str | None, seed: int, synthetic_size: tuple[int, int]) -> 
         mean, std = CIFAR_MEAN, CIFAR_STD
     if len(ytr) == 0 or len(yva) == 0:
         raise DataError(f"{root}: the training or the test split is empty")
-    return DataSpec(InMemoryImages(xtr, ytr, _cifar_train_transform(32), seed), InMemoryImages(xva, yva),
-                    10, mean, std, desc)
+    return DataSpec(InMemoryImages(xtr, ytr, _cifar_train_transform(32, augmentation, mean), seed),
+                    InMemoryImages(xva, yva, augment.cifar_val_transform(augmentation)), 10, mean, std, desc)
 
 
-def imagenet_transforms(size: int):
-    train = v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
-    val = v2.Compose([v2.Resize(round(size * 256 / 224), antialias=True), v2.CenterCrop(size)])
-    return train, val
+def imagenet_transforms(size: int, augmentation: Augmentation | None = None, mean=IMAGENET_MEAN):
+    """The (train, val) transforms at training crop ``size``: torchvision's
+    ``ClassificationPresetTrain`` and ``ClassificationPresetEval`` less the Normalize the
+    engine does (:mod:`mpfp16.train.augment`); ``mean`` is the erasing's value. Without
+    ``augmentation``: RandomResizedCrop and flip; Resize(size * 256/224), CenterCrop."""
+    return (augment.imagenet_train_transform(size, augmentation, mean),
+            augment.imagenet_val_transform(size, augmentation))
 
 
 def imagenet_data(root: str | None, image_size: int, seed: int, bad_images: str,
-                  synthetic_size: tuple[int, int], synthetic_classes: int = 10) -> DataSpec:
-    """An ImageFolder root with ``train/`` and ``val/``, or the embedded synthetic set."""
-    train_tf, val_tf = imagenet_transforms(image_size)
+                  synthetic_size: tuple[int, int], synthetic_classes: int = 10,
+                  augmentation: Augmentation | None = None) -> DataSpec:
+    """An ImageFolder root with ``train/`` and ``val/``, or the embedded synthetic set.
+    ``augmentation``: the recipe's settings (:func:`imagenet_transforms`); the spec's
+    ``make_transforms(size)`` builds them again at another training crop."""
     if root is None:
+        mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
         stored = max(64, image_size)
+        recipe = functools.partial(imagenet_transforms, augmentation=augmentation, mean=mean)
+        train_tf, val_tf = recipe(image_size)
         (xtr, ytr), (xva, yva) = synthetic_images(synthetic_size[0], stored, synthetic_classes, seed=1), \
             synthetic_images(synthetic_size[1], stored, synthetic_classes, seed=2)
         desc = (f"embedded synthetic data: {len(ytr)} training and {len(yva)} validation images, "
                 f"{stored}x{stored}, {synthetic_classes} classes (pass an ImageFolder root to train on real data)")
         return DataSpec(InMemoryImages(xtr, ytr, train_tf, seed), InMemoryImages(xva, yva, val_tf), synthetic_classes,
-                        (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), desc)
+                        mean, std, desc, make_transforms=recipe)
     if not os.path.exists(root):
         raise DataError(f"data path {root} does not exist")
+    recipe = functools.partial(imagenet_transforms, augmentation=augmentation, mean=IMAGENET_MEAN)
+    train_tf, val_tf = recipe(image_size)
     train = ImageFolderSplit(os.path.join(root, "train"), train_tf, seed, bad_images)
     val = ImageFolderSplit(os.path.join(root, "val"), val_tf, seed, bad_images, class_to_idx=train.class_to_idx)
     desc = f"ImageFolder {root}: {len(train)} training and {len(val)} validation images, {len(train.classes)} classes"
-    return DataSpec(train, val, len(train.classes), IMAGENET_MEAN, IMAGENET_STD, desc)
+    return DataSpec(train, val, len(train.classes), IMAGENET_MEAN, IMAGENET_STD, desc, make_transforms=recipe)
