@@ -250,7 +250,15 @@ def test_every_setting_that_two_flags_set_refuses_their_contradiction(task):
                      else [action.option_strings])
         meanings.setdefault(action.dest, []).extend((action, s) for s in spellings)
     shared = {dest: ways for dest, ways in meanings.items() if len(ways) > 1}
-    assert sorted(shared) == ["master_weights", "nesterov"]
+    # Flags of one meaning, torchvision's names of ours (given twice, the last wins): the positional
+    # data and --data-path, --image-size and --train-crop-size.
+    same = {"data": ["--data-path"], **({"image_size": ["--image-size", "--train-crop-size"]} if task == "imagenet"
+                                        else {})}
+    for dest, flags in same.items():
+        ways = shared.pop(dest)
+        assert sorted(s for _, spelling in ways for s in spelling) == flags and len(ways) == 2
+        assert all(type(action) is argparse._StoreAction for action, _ in ways)
+    assert sorted(shared) == ["lr_schedule", "master_weights", "nesterov"] + (["scale_lr"] if task == "imagenet" else [])
     assert all(isinstance(action, (cli._Meaning, cli._Switch)) for ways in shared.values() for action, _ in ways)
 
 

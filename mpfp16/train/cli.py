@@ -1,9 +1,21 @@
 """Command-line front end of train_cifar.py and train_imagenet.py: flags -> TrainConfig.
 
-Flag names follow pytorch/examples' ImageNet script where one exists. Every help text
-ends with its default. A bad value is an argparse error; a problem found later (a
-missing data folder, a corrupt checkpoint, a stuck loss scale, a dead peer) is one
-line on stderr and a non-zero exit, never a traceback.
+Flag names follow pytorch/examples' ImageNet script where one exists, and torchvision's
+reference recipe (references/classification/train.py) is taken by its own names and
+meanings, so that a command from its README runs here. ``--model`` (``--arch``),
+``--output-dir`` (``--checkpoint-dir``), ``--opt`` (``--optimizer``), ``--lr-warmup-epochs``
+(``--warmup-epochs``), ``--clip-grad-norm`` (``--max-grad-norm``) and ``--test-only``
+(``--evaluate``) are other spellings of one flag; ``--data-path`` and
+``--train-crop-size`` are flags of the same meaning as the positional data and
+``--image-size`` (given with them, the last one wins). ``--lr-scheduler`` takes
+torchvision's schedulers beside ``--lr-schedule``'s own (given both, they contradict
+each other); with it, ``--lr`` is torchvision's, for the global batch as given
+(``--scale-lr`` scales it), and the warm-up is ``--lr-warmup-epochs``' alone
+(torchvision's default, none). ``--amp`` is refused, in one line that says what to pass.
+
+Every help text ends with its default. A bad value is an argparse error; a problem found
+later (a missing data folder, a corrupt checkpoint, a stuck loss scale, a dead peer) is
+one line on stderr and a non-zero exit, never a traceback.
 
 A flag given twice keeps argparse's rule: the last value wins (``-b 16 -b 32`` is
 ``-b 32``; ``--wd`` and ``--weight-decay`` are one flag), so that a wrapper script's
@@ -30,11 +42,11 @@ from ..errors import FusedStepUnavailable, ReplicaDivergenceError, UserError, es
 from ..options import STATE_ROUNDINGS
 from ..rounding import ROUNDINGS
 from ..scaler import LossScaleStuckError
-from .config import (BAD_IMAGE_POLICIES, FUSED_CHOICES, OPTIMIZERS, PRECISIONS, STATE_DTYPE_CHOICES, SYNTHETIC_SIZES,
-                     WIRE_DTYPES,
+from .config import (AUTO_AUGMENT_POLICIES, BAD_IMAGE_POLICIES, FUSED_CHOICES, INTERPOLATIONS, OPTIMIZERS, PRECISIONS,
+                     RECIPE_LIMITS, STATE_DTYPE_CHOICES, SYNTHETIC_SIZES, WIRE_DTYPES,
                      ConfigError, TrainConfig, default_text, say)
 from .preemption import Stopped
-from .schedule import SCHEDULES
+from .schedule import OWN_SCHEDULES, TORCHVISION_SCHEDULES, WARMUP_METHODS
 
 __all__ = ["build_parser", "config_from_args", "run"]
 
@@ -83,6 +95,45 @@ def _float_in(low: float, high: float, low_open: bool = False):
 
 _positive_float = _float_in(0.0, float("inf"), low_open=True)
 _non_negative_float = _float_in(0.0, float("inf"))
+
+
+def _open_interval(low: float, high: float):
+    """A number strictly between ``low`` and ``high``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not low < value < high:
+            raise argparse.ArgumentTypeError(f"must be a number in ({low:g}, {high:g}), got {text}")
+        return value
+    return parse
+
+
+def _limited(name: str):
+    """The parser of setting ``name``'s range in :data:`RECIPE_LIMITS` (config's, which
+    validate() checks again for code that builds a config)."""
+    limits = RECIPE_LIMITS[name]
+    if len(limits) == 2:
+        return _int_at_least(*limits)
+    low, high, low_open, high_open = limits
+    return _open_interval(low, high) if high_open else _float_in(low, high, low_open=low_open)
+
+
+class _Refused(argparse.Action):
+    """A flag of torchvision's recipe that this trainer does not take: an argparse error,
+    one line saying what to pass instead."""
+
+    def __init__(self, option_strings, dest, message, **kwargs):
+        self.message = message
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        raise argparse.ArgumentError(None, self.message)
+
+
+AMP_REFUSED = ("--amp is torch.amp's autocast over fp32 weights; this script keeps 16-bit weights and fp32 masters: "
+               "pass --precision fp16 (the default; --precision fp32 for torchvision's run without --amp)")
 
 
 def _loss_scale(text: str):
@@ -181,13 +232,28 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
     g.add_argument("data", nargs="?",
                    help=("CIFAR-10 in torchvision's format: the cifar-10-batches-py folder or its parent" if cifar
                          else "ImageFolder root with train/ and val/") + default("data", "embedded synthetic data"))
+    g.add_argument("--data-path", dest="data", metavar="PATH",
+                   help="the data, as the positional argument (torchvision's flag)" + default("data", "embedded synthetic data"))
     g.add_argument("-j", "--workers", type=_int_at_least(0, MAX_WORKERS),
                    help=f"data loading processes per training process, at most {MAX_WORKERS} here (4 per core, or 8)"
                         + default("workers"))
     if not cifar:
-        g.add_argument("--image-size", type=_int_at_least(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE),
+        sizes = _int_at_least(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE)
+        g.add_argument("--image-size", type=sizes,
                        help=f"training crop size, {MIN_IMAGE_SIZE} to {MAX_IMAGE_SIZE}; a ViT or MaxViT is built "
                             "for it" + default("image_size"))
+        g.add_argument("--train-crop-size", dest="image_size", type=sizes, metavar="SIZE",
+                       help="--image-size, by torchvision's name" + default("image_size"))
+        g.add_argument("--val-resize-size", type=_int_at_least(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE), metavar="SIZE",
+                       help="validation images are resized to this (their shorter side), then center-cropped"
+                            + default("val_resize_size", "the crop * 256/224"))
+        g.add_argument("--val-crop-size", type=_int_at_least(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE), metavar="SIZE",
+                       help="the validation images' center crop, at most --val-resize-size; torchvision's default is "
+                            "224 whatever --train-crop-size is: pass it with a recipe that trains at another size"
+                            + default("val_crop_size", "the training crop, --image-size"))
+        g.add_argument("--interpolation", choices=INTERPOLATIONS,
+                       help="of the training crop's resize, the validation resize and the --auto-augment policy"
+                            + default("interpolation"))
         g.add_argument("--bad-images", choices=BAD_IMAGE_POLICIES,
                        help="an image that fails to decode: fail the run, or skip it with a warning naming "
                             "the file" + default("bad_images"))
@@ -196,9 +262,15 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                         + default("synthetic_size", ",".join(map(str, SYNTHETIC_SIZES[task]))))
 
     g = p.add_argument_group("model")
-    g.add_argument("-a", "--arch",
+    g.add_argument("-a", "--arch", "--model", dest="arch",
                    help=("resnet9 (Page's DAWNBench ResNet), resnet9-wN (N prep channels) or resnet18"
-                         if cifar else "any torchvision model name") + default("arch"))
+                         if cifar else "any torchvision model name; or timm's (a name torchvision does not have, or "
+                                       "timm/NAME), with timm installed (pip install 'mpfp16[timm]')")
+                        + default("arch"))
+    g.add_argument("--weights", metavar="FILE",
+                   help="start from the weights in a local file: a state_dict, or a checkpoint with a 'model' key "
+                        "(torchvision's, this script's); nothing is downloaded, so torchvision's weight names "
+                        "and URLs are refused" + default("weights", "random initialization"))
     g.add_argument("--channels-last", action="store_true",
                    help="channels_last memory format" + default("channels_last"))
     g.add_argument("--zero-init-residual", action="store_true",
@@ -214,28 +286,100 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                    help="images per process per micro-batch" + default("batch_size"))
     g.add_argument("--accum-steps", type=_positive_int,
                    help="micro-batches per optimizer step; the allreduce runs once per step" + default("accum_steps"))
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help="inner optimizer" + default("optimizer"))
+    g.add_argument("--optimizer", "--opt", dest="optimizer", type=str.lower, choices=OPTIMIZERS,
+                   help="inner optimizer, as torchvision's --opt builds it: sgd (Nesterov as --nesterov says), "
+                        "sgd_nesterov, rmsprop (alpha 0.9, eps 0.0316), adamw" + default("optimizer"))
     g.add_argument("--lr", type=_positive_float,
                    help=("peak learning rate" if cifar else
-                         "learning rate per 256 images of global batch, scaled linearly") + default("lr"))
+                         "learning rate per 256 images of global batch, scaled linearly; with --lr-scheduler (a "
+                         "torchvision recipe) the lr of the global batch as given, unscaled, as torchvision's --lr")
+                        + default("lr"))
     g.add_argument("--momentum", type=_float_in(0.0, 1.0), help="SGD momentum" + default("momentum"))
     g.add_argument("--wd", "--weight-decay", dest="weight_decay", type=_non_negative_float,
                    help="weight decay" + default("weight_decay"))
     g.add_argument("--nesterov", action=_Switch,
                    help="Nesterov momentum" + default("nesterov"))
     g.add_argument("--label-smoothing", type=_float_in(0.0, 1.0), help="label smoothing" + default("label_smoothing"))
-    g.add_argument("--warmup-epochs", type=_non_negative_float,
-                   help="linear lr warm-up; onecycle warms up over 30%% of the run when 0" + default("warmup_epochs"))
-    g.add_argument("--lr-schedule", choices=SCHEDULES, help="lr schedule after warm-up" + default("lr_schedule"))
+    g.add_argument("--warmup-epochs", "--lr-warmup-epochs", dest="warmup_epochs", type=_non_negative_float,
+                   help="lr warm-up epochs: --lr-schedule's linear one, per step (onecycle warms up over 30%% of "
+                        "the run when 0), or --lr-scheduler's --lr-warmup-method, whole epochs"
+                        + default("warmup_epochs", None if cifar else
+                                  f"{default_text(task, 'warmup_epochs')}; 0 with --lr-scheduler"))
+    schedules = {"dest": "lr_schedule", "action": _Meaning, "words": lambda value: say("lr_schedule", value)}
+    g.add_argument("--lr-schedule", choices=OWN_SCHEDULES, gives=OWN_SCHEDULES, **schedules,
+                   help="lr schedule after warm-up, per optimizer step" + default("lr_schedule"))
+    g.add_argument("--lr-scheduler", type=str.lower, choices=TORCHVISION_SCHEDULES, gives=TORCHVISION_SCHEDULES,
+                   **schedules,
+                   help="torchvision's lr scheduler in place of --lr-schedule, stepped per epoch as torchvision steps "
+                        "it (the lr is constant through an epoch): steplr (x --lr-gamma every --lr-step-size epochs), "
+                        "cosineannealinglr (to --lr-min), exponentiallr (x --lr-gamma each epoch); its --lr is not "
+                        "scaled by the batch, and it warms up only with --lr-warmup-epochs"
+                        + default("lr_schedule", "none: --lr-schedule"))
+    g.add_argument("--lr-warmup-method", choices=WARMUP_METHODS,
+                   help="with --lr-scheduler: linear (LinearLR from --lr-warmup-decay to 1) or constant (ConstantLR "
+                        "at --lr-warmup-decay) over the warm-up epochs; torchvision's default is constant"
+                        + default("lr_warmup_method"))
+    g.add_argument("--lr-warmup-decay", type=_limited("lr_warmup_decay"),
+                   help="with --lr-scheduler: the warm-up's factor on the lr, in (0, 1]" + default("lr_warmup_decay"))
+    g.add_argument("--lr-step-size", type=_limited("lr_step_size"),
+                   help="with --lr-scheduler steplr: epochs between decays" + default("lr_step_size"))
+    g.add_argument("--lr-gamma", type=_limited("lr_gamma"),
+                   help="with --lr-scheduler steplr or exponentiallr: the factor of each decay" + default("lr_gamma"))
+    g.add_argument("--lr-min", type=_limited("lr_min"),
+                   help="with --lr-scheduler cosineannealinglr: the lr it ends at (eta_min)" + default("lr_min"))
     g.add_argument("--no-bn-wd", action="store_true",
                    help="no weight decay on normalization layers and biases" + default("no_bn_wd"))
+    g.add_argument("--norm-weight-decay", type=_limited("norm_weight_decay"),
+                   help="weight decay of normalization layers' parameters (torchvision's)"
+                        + default("norm_weight_decay", "--wd"))
+    g.add_argument("--bias-weight-decay", type=_limited("bias_weight_decay"),
+                   help="weight decay of every bias (torchvision's)" + default("bias_weight_decay", "--wd"))
+    if not cifar:
+        g.add_argument("--transformer-embedding-decay", type=_limited("transformer_embedding_decay"),
+                       help="weight decay of transformers' class token, position embedding and relative position "
+                            "bias tables (torchvision's)" + default("transformer_embedding_decay", "--wd"))
     if not cifar:
         g.add_argument("--resize-phases", type=_resize_phases, metavar="EPOCH:SIZE,...",
                        help="progressive resizing: the training crop size from each start epoch, e.g. "
                             "0:128,13:224,25:288" + default("resize_phases", "--image-size throughout"))
-        g.add_argument("--no-scale-lr", dest="scale_lr", action="store_false",
-                       help="use --lr as given, not scaled by the global batch" + default("scale_lr", "scaled"))
+        g.add_argument("--scale-lr", action=_Switch,
+                       help="--lr per 256 images of global batch, scaled linearly; --no-scale-lr: --lr as given "
+                            "(to paste a torchvision --lr with this script's schedules)"
+                            + default("scale_lr", "scaled; not with --lr-scheduler"))
     g.add_argument("--seed", type=_int_at_least(0, MAX_SEED), help=f"random seed, 0 to {MAX_SEED}" + default("seed"))
+    g.add_argument("--use-deterministic-algorithms", action="store_true",
+                   help="torch's deterministic kernels only (torch.use_deterministic_algorithms, cuDNN benchmark "
+                        "off; on CUDA CUBLAS_WORKSPACE_CONFIG=:4096:8 where unset)"
+                        + default("use_deterministic_algorithms"))
+
+    g = p.add_argument_group("augmentation (torchvision's recipe)")
+    g.add_argument("--auto-augment", choices=AUTO_AUGMENT_POLICIES,
+                   help="a policy after the crop and flip: ra (RandAugment), ta_wide (TrivialAugmentWide), augmix, "
+                        "or AutoAugment's imagenet, cifar10, svhn" + default("auto_augment", "none"))
+    g.add_argument("--ra-magnitude", type=_limited("ra_magnitude"),
+                   help="with --auto-augment ra: RandAugment's magnitude, 0 to 30" + default("ra_magnitude"))
+    g.add_argument("--augmix-severity", type=_limited("augmix_severity"),
+                   help="with --auto-augment augmix: its severity, 1 to 10" + default("augmix_severity"))
+    g.add_argument("--random-erase", type=_limited("random_erase"),
+                   help="random erasing's probability, in [0, 1]" + default("random_erase"))
+    g.add_argument("--mixup-alpha", type=_limited("mixup_alpha"),
+                   help="mixup's alpha; 0: no mixup" + default("mixup_alpha"))
+    g.add_argument("--cutmix-alpha", type=_limited("cutmix_alpha"),
+                   help="CutMix's alpha; 0: no CutMix" + default("cutmix_alpha"))
+    g.add_argument("--ra-sampler", action="store_true",
+                   help="repeated augmentation: each image --ra-reps times per epoch, over the processes "
+                        "(torchvision's RASampler)" + default("ra_sampler"))
+    g.add_argument("--ra-reps", type=_limited("ra_reps"),
+                   help="with --ra-sampler: repetitions of each image" + default("ra_reps"))
+
+    g = p.add_argument_group("EMA of the weights (torchvision's recipe)")
+    g.add_argument("--model-ema", action="store_true",
+                   help="keep an exponential moving average of the weights, evaluated beside the model"
+                        + default("model_ema"))
+    g.add_argument("--model-ema-steps", type=_limited("model_ema_steps"),
+                   help="optimizer steps between EMA updates" + default("model_ema_steps"))
+    g.add_argument("--model-ema-decay", type=_limited("model_ema_decay"),
+                   help="the EMA's decay, in (0, 1), as torchvision's" + default("model_ema_decay"))
 
     g = p.add_argument_group("precision")
     g.add_argument("--precision", choices=PRECISIONS, help="weights and activations" + default("precision"))
@@ -250,7 +394,10 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                    help="with --no-master-weights: how new weights are rounded to 16 bits" + default("rounding"))
     g.add_argument("--loss-scale", type=_loss_scale, help="'dynamic' or a static scale; fp16 only"
                    + default("loss_scale"))
-    g.add_argument("--max-grad-norm", type=_positive_float,
+    g.add_argument("--amp", action=_Refused, message=AMP_REFUSED,
+                   help="torchvision's torch.amp autocast: refused; --precision fp16, this script's default, is "
+                        "its mixed precision" + default("amp", "off"))
+    g.add_argument("--max-grad-norm", "--clip-grad-norm", dest="max_grad_norm", type=_positive_float,
                    help="clip the global norm of the unscaled gradients" + default("max_grad_norm", "no clipping"))
     g.add_argument("--accumulate-dtype", choices=["fp32"],
                    help="with --accum-steps N: sum the micro-batches' 16-bit gradients in fp32, sent in the step's "
@@ -290,7 +437,8 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                         "optimizer steps, before each checkpoint and at the end; 0: never" + default("check_replicas"))
 
     g = p.add_argument_group("checkpoints and logs")
-    g.add_argument("--checkpoint-dir", help="where last.pt and best.pt go" + default("checkpoint_dir"))
+    g.add_argument("--checkpoint-dir", "--output-dir", dest="checkpoint_dir", metavar="DIR",
+                   help="where last.pt and best.pt go" + default("checkpoint_dir"))
     g.add_argument("--save-every", type=_non_negative_int,
                    help="also save every N optimizer steps; 0: only at the end of each epoch" + default("save_every"))
     g.add_argument("--resume", metavar="PATH|auto",
@@ -309,8 +457,9 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                    help="log metrics every N optimizer steps" + default("print_freq"))
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar" + default("progress", "a bar on rank 0 when stderr is a terminal"))
-    g.add_argument("-e", "--evaluate", action="store_true",
-                   help="evaluate the --resume checkpoint on the validation set and exit" + default("evaluate"))
+    g.add_argument("-e", "--evaluate", "--test-only", dest="evaluate", action="store_true",
+                   help="evaluate the --resume checkpoint (or the --weights) on the validation set and exit"
+                        + default("evaluate"))
     return p
 
 
@@ -339,9 +488,11 @@ def run(task: str, argv=None, description: str | None = None) -> int:
     except ValueError as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
+    from .build import deterministic_algorithms
     from .engine import train  # after parsing: --help and flag errors need neither torchvision nor the engine
 
-    status = _train_and_report(train, cfg)
+    with deterministic_algorithms(cfg.use_deterministic_algorithms):
+        status = _train_and_report(train, cfg)
     gc.collect()  # what the error's traceback held (a DDP module and its process group) goes before exit
     return status
 

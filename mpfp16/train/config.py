@@ -14,6 +14,7 @@ and worded as flags (:func:`say`): the config cannot accept what the library ref
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -28,13 +29,43 @@ from ..parallel.hooks import STRATEGIES
 from ..parallel.setup import DEFAULT_TIMEOUT_S
 from ..rounding import ROUNDINGS
 from ..scaler import check_loss_scale
-from .schedule import SCHEDULES
+from .schedule import SCHEDULES, TORCHVISION_SCHEDULES, WARMUP_METHODS
 
 __all__ = ["TrainConfig", "ConfigError", "FREE_ON_RESUME", "BEFORE_THEY_EXISTED", "TASK_DEFAULTS", "DATA_DEFAULTS", "SYNTHETIC_SIZES",
            "OPTIMIZERS", "PRECISIONS", "WIRE_DTYPES", "TORCH_DTYPES", "BAD_IMAGE_POLICIES", "FUSED_CHOICES", "say",
-           "default_text"]
+           "default_text", "AUTO_AUGMENT_POLICIES", "INTERPOLATIONS", "EMBEDDING_KEYS", "RECIPE_LIMITS",
+           "TORCHVISION_DEFAULTS", "inner_optimizer_class"]
 
-OPTIMIZERS = ("sgd", "adamw")
+# sgd: SGD with --nesterov as given (off on ImageNet, as torchvision's --opt sgd; on for CIFAR);
+# sgd_nesterov, rmsprop: torchvision's --opt (SGD with nesterov=True; RMSprop(alpha=0.9, eps=0.0316)).
+OPTIMIZERS = ("sgd", "adamw", "sgd_nesterov", "rmsprop")
+# --auto-augment: torchvision's preset takes ra, ta_wide, augmix, or an AutoAugmentPolicy's value.
+AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet", "cifar10", "svhn")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # --interpolation
+# torchvision's --transformer-embedding-decay keys (train.py: class_token, position_embedding,
+# relative_position_bias_table), with the names torchvision's ViT (pos_embedding) and timm's models
+# (cls_token, pos_embed, dist_token, reg_token) give theirs: a parameter's own name.
+EMBEDDING_KEYS = ("class_token", "position_embedding", "relative_position_bias_table", "pos_embedding",
+                  "cls_token", "pos_embed", "dist_token", "reg_token")
+# The ranges of the recipe's numbers, for the flags and validate() alike: (low, high, low open, high open).
+RECIPE_LIMITS = {
+    "lr_warmup_decay": (0.0, 1.0, True, False),  # LinearLR's start_factor, ConstantLR's factor
+    "lr_gamma": (0.0, float("inf"), True, False),
+    "lr_min": (0.0, float("inf"), False, False),
+    "norm_weight_decay": (0.0, float("inf"), False, False),
+    "bias_weight_decay": (0.0, float("inf"), False, False),
+    "transformer_embedding_decay": (0.0, float("inf"), False, False),
+    "random_erase": (0.0, 1.0, False, False),  # RandomErasing's p
+    "mixup_alpha": (0.0, float("inf"), False, False),
+    "cutmix_alpha": (0.0, float("inf"), False, False),
+    "model_ema_decay": (0.0, 1.0, True, True),
+    "lr_step_size": (1, None), "ra_magnitude": (0, 30),  # RandAugment's 31 magnitude bins: 0..30
+    "augmix_severity": (1, 10), "ra_reps": (1, None), "model_ema_steps": (1, None),  # AugMix takes 1..10
+}
+# With torchvision's schedulers (--lr-scheduler), the settings around them default to torchvision's
+# too, so that a recipe pasted from its README means what it meant there: no warm-up unless
+# --lr-warmup-epochs, and --lr for the global batch as given.
+TORCHVISION_DEFAULTS = {"warmup_epochs": 0.0, "scale_lr": False}
 PRECISIONS = ("fp32", "fp16", "bf16")
 WIRE_DTYPES = ("fp16", "bf16", "fp32")
 BAD_IMAGE_POLICIES = ("fail", "skip")
@@ -71,12 +102,24 @@ DATA_DEFAULTS = {
 # a step is computed may change the last bits of the sums.
 # Settings a later release added, and what a run of a release before them did: a
 # checkpoint that does not record one ran with this value, and is compared with it.
-BEFORE_THEY_EXISTED = {"state_dtype": "fp32", "state_rounding": "nearest"}
+BEFORE_THEY_EXISTED = {
+    "state_dtype": "fp32", "state_rounding": "nearest",
+    # torchvision's recipe: before it, the own schedules' linear warm-up, one weight decay (or --no-bn-wd),
+    # no augmentation beyond the crop and flip, the validation resize of crop * 256/224, random
+    # initialization, no EMA, torch's default algorithms
+    "lr_warmup_method": "linear", "lr_warmup_decay": 0.01, "lr_step_size": 30, "lr_gamma": 0.1, "lr_min": 0.0,
+    "norm_weight_decay": None, "bias_weight_decay": None, "transformer_embedding_decay": None,
+    "auto_augment": None, "ra_magnitude": 9, "augmix_severity": 3, "random_erase": 0.0, "mixup_alpha": 0.0,
+    "cutmix_alpha": 0.0, "val_resize_size": None, "val_crop_size": None, "interpolation": "bilinear",
+    "ra_sampler": False, "ra_reps": 3, "model_ema": False, "model_ema_steps": 32, "model_ema_decay": 0.99998,
+    "weights": None, "use_deterministic_algorithms": False,
+}
 
 FREE_ON_RESUME = frozenset({
     "data", "workers", "bad_images", "max_steps", "channels_last", "fused", "shard", "bucket_mb", "dist_backend",
     "dist_timeout", "device", "check_replicas", "checkpoint_dir", "save_every", "resume", "metrics", "tensorboard",
     "print_freq", "progress", "evaluate", "overwrite", "allow_changed_config",
+    "use_deterministic_algorithms",  # how a step is computed (which kernels), never what it computes
 })
 
 
@@ -177,6 +220,10 @@ class TrainConfig:
         if self.task not in TASK_DEFAULTS:
             raise ConfigError(f"unknown task {self.task!r}; choose one of {', '.join(TASK_DEFAULTS)}")
         defaults = {**TASK_DEFAULTS[self.task], **DATA_DEFAULTS[self.task][_data_kind(self.data)]}
+        if self.lr_schedule in TORCHVISION_SCHEDULES:
+            defaults.update(TORCHVISION_DEFAULTS)
+        if self.optimizer == "sgd_nesterov":
+            defaults["nesterov"] = True  # what the name says; validate() refuses --no-nesterov with it
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -189,15 +236,33 @@ class TrainConfig:
         """``--fused`` as FP16Optimizer's ``fused=`` takes it."""
         return {"auto": None, "on": True, "off": False}.get(self.fused)
 
+    @property
+    def torchvision_schedule(self) -> bool:
+        """Whether the lr follows one of torchvision's schedulers (``--lr-scheduler``)."""
+        return self.lr_schedule in TORCHVISION_SCHEDULES
+
+    def val_sizes(self, image_size: int | None = None) -> tuple[int, int]:
+        """(resize, crop) of ImageNet's validation images for training crop
+        ``image_size`` (default ``--image-size``): the crop is ``--val-crop-size`` or the
+        training crop; the resize ``--val-resize-size`` or ``round(crop * 256 / 224)``
+        (torchvision's 256 for 224, and the rule before the recipe existed)."""
+        crop = self.val_crop_size or image_size or self.image_size
+        return self.val_resize_size or round(crop * 256 / 224), crop
+
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` (one line, in the flags' words) for a name that
         means nothing or settings that contradict each other; return ``self``."""
         for name, allowed in (("optimizer", OPTIMIZERS), ("precision", PRECISIONS), ("rounding", ROUNDINGS),
                               ("lr_schedule", SCHEDULES), ("allreduce_strategy", STRATEGIES),
                               ("bad_images", BAD_IMAGE_POLICIES), ("fused", FUSED_CHOICES),
-                              ("state_dtype", STATE_DTYPE_CHOICES), ("state_rounding", STATE_ROUNDINGS)):
+                              ("state_dtype", STATE_DTYPE_CHOICES), ("state_rounding", STATE_ROUNDINGS),
+                              ("lr_warmup_method", WARMUP_METHODS), ("interpolation", INTERPOLATIONS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"unknown {_flag(name)} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        if self.auto_augment is not None and self.auto_augment not in AUTO_AUGMENT_POLICIES:
+            raise ConfigError(f"unknown --auto-augment {self.auto_augment!r}; choose one of "
+                              f"{', '.join(AUTO_AUGMENT_POLICIES)}")
+        self._check_recipe()
         if self.master_weights not in (True, False, "remainder"):
             raise ConfigError(f"unknown --master-weights {self.master_weights!r}; choose one of fp32, remainder")
         if self.allreduce_dtype not in (None,) + WIRE_DTYPES:
@@ -215,12 +280,76 @@ class TrainConfig:
                 raise ConfigError("--channels-last makes the convolution weights non-contiguous, and FSDP2 shards "
                                   "contiguous parameters only: drop --channels-last with --shard")
         self._check_library_rules()
-        if self.evaluate and self.resume is None:
-            raise ConfigError("--evaluate needs --resume PATH (or auto)")
+        if self.evaluate and self.resume is None and self.weights is None:
+            raise ConfigError("--evaluate needs --resume PATH (or auto), or --weights FILE")
         if self.overwrite and self.resume is not None:
             raise ConfigError("--overwrite starts a new run in place of the old one; it cannot be combined with "
                               "--resume")
         return self
+
+    def _check_recipe(self) -> None:
+        """The rules of torchvision's recipe settings (--lr-scheduler and what goes with
+        it, the weight-decay kinds, augmentation, validation sizes, the EMA, --weights)."""
+        for name, limits in RECIPE_LIMITS.items():
+            value = getattr(self, name)
+            if value is not None and not _within(value, limits):
+                raise ConfigError(f"{_flag(name)} {value!r}: must be {_wanted(limits)}")
+        schedule = say("lr_schedule", self.lr_schedule)
+        own = f"{schedule} warms up linearly from 1/(warm-up steps), per step"
+        if self.lr_warmup_method != _default("lr_warmup_method") and not self.torchvision_schedule:
+            raise ConfigError(f"--lr-warmup-method applies to torchvision's --lr-scheduler "
+                              f"({', '.join(TORCHVISION_SCHEDULES)}); {own}")
+        if self.lr_warmup_decay != _default("lr_warmup_decay") and not self.torchvision_schedule:
+            raise ConfigError(f"--lr-warmup-decay applies to torchvision's --lr-scheduler "
+                              f"({', '.join(TORCHVISION_SCHEDULES)}); {own}")
+        for name, uses in (("lr_step_size", ("steplr",)), ("lr_gamma", ("steplr", "exponentiallr")),
+                           ("lr_min", ("cosineannealinglr",))):
+            if getattr(self, name) != _default(name) and self.lr_schedule not in uses:
+                default = "; steplr is torchvision's default scheduler, not this script's" if "steplr" in uses else ""
+                raise ConfigError(f"{_flag(name)} applies to --lr-scheduler {' or '.join(uses)}, not "
+                                  f"{schedule}{default}: pass --lr-scheduler {uses[0]}")
+        if self.torchvision_schedule:
+            if self.warmup_epochs != int(self.warmup_epochs):
+                raise ConfigError(f"--lr-warmup-epochs {self.warmup_epochs:g}: torchvision's schedulers step once "
+                                  f"per epoch, so {schedule} warms up over whole epochs")
+            if self.lr_schedule == "cosineannealinglr" and self.warmup_epochs >= self.epochs:
+                raise ConfigError(f"--lr-warmup-epochs {self.warmup_epochs:g} leaves no epoch of --epochs "
+                                  f"{self.epochs} to --lr-scheduler cosineannealinglr (its T_max is epochs - warm-up "
+                                  "epochs)")
+        if self.no_bn_wd:
+            for name in ("norm_weight_decay", "bias_weight_decay", "transformer_embedding_decay"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"--no-bn-wd and {_flag(name)} both set the decay of normalization layers "
+                                      "or biases: pass torchvision's per-kind decays alone (--no-bn-wd is "
+                                      "--norm-weight-decay 0 --bias-weight-decay 0, and no decay on any 1-d "
+                                      "parameter)")
+        if self.optimizer == "sgd_nesterov" and not self.nesterov:
+            raise ConfigError("--opt sgd_nesterov is SGD with Nesterov momentum; it contradicts --no-nesterov")
+        if self.optimizer == "rmsprop" and self.state_dtype != "fp32":
+            raise ConfigError(f"--state-dtype {self.state_dtype} applies to SGD, Adam and AdamW, whose states mpfp16 "
+                              "keeps; --opt rmsprop keeps its own: drop --state-dtype")
+        if self.optimizer == "rmsprop" and self.fused == "on":
+            raise ConfigError("--fused on: mpfp16's fused step takes SGD, Adam and AdamW, not --opt rmsprop (its "
+                              "own step runs over the fp32 masters with --fused auto or off)")
+        if self.task == "cifar":
+            for name in ("val_resize_size", "val_crop_size", "transformer_embedding_decay"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{_flag(name)} applies to train_imagenet.py; CIFAR's validation images "
+                                      "are used whole, and its models have no transformer embeddings")
+        else:
+            sizes = [self.image_size] + [size for _, size in self.resize_phases]
+            for size in sizes:
+                resize, crop = self.val_sizes(size)
+                if crop > resize:
+                    given = f"--val-crop-size {crop}" if self.val_crop_size else f"the validation crop {crop} (the " \
+                            "training crop, without --val-crop-size)"
+                    raise ConfigError(f"{given} is larger than --val-resize-size {resize}: the center crop must "
+                                      "fit in the resized image")
+        if self.weights is not None:
+            if "://" in self.weights or not os.path.isfile(self.weights):
+                raise ConfigError(f"--weights {self.weights}: no such file here, and nothing is downloaded (not a "
+                                  "torchvision weights name, nor a URL): pass a local file of the model's state_dict, "
+                                  "or a checkpoint with a 'model' key")
 
     def _check_library_rules(self) -> None:
         """The library's own rules, on the options the engine will pass it: the loss
@@ -241,7 +370,7 @@ class TrainConfig:
                                           max_grad_norm=self.max_grad_norm, fused=self.fused_option, dtypes=(compute,),
                                           sharded=self.shard, accumulate_dtype=TORCH_DTYPES.get(self.accumulate_dtype),
                                           say=say)
-            optimizer_rules.state_dtypes_of({"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[self.optimizer],
+            optimizer_rules.state_dtypes_of(inner_optimizer_class(self.optimizer),
                                             TORCH_DTYPES[self.state_dtype], None, self.state_rounding,
                                             sharded=self.shard, say=say)
             if self.shard:
@@ -275,6 +404,35 @@ class TrainConfig:
         return out
 
 
+def inner_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The torch optimizer that ``--optimizer``/``--opt`` ``name`` builds."""
+    return {"sgd": torch.optim.SGD, "sgd_nesterov": torch.optim.SGD, "adamw": torch.optim.AdamW,
+            "rmsprop": torch.optim.RMSprop}[name]
+
+
+def _within(value, limits: tuple) -> bool:
+    if len(limits) == 2:  # an integer range, either end None: open
+        low, high = limits
+        return (isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+                and (high is None or value <= high))
+    low, high, low_open, high_open = limits
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return False
+    return ((value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+            and value != float("inf"))
+
+
+def _wanted(limits: tuple) -> str:
+    """The range ``limits`` in words, as the flags' errors say it."""
+    if len(limits) == 2:
+        low, high = limits
+        return f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}"
+    low, high, low_open, high_open = limits
+    if high == float("inf"):
+        return "a positive finite number" if low_open and low == 0 else f"a finite number >= {low:g}"
+    return f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
 def _data_kind(data: str | None) -> str:
     return "embedded" if data is None else "real"
 
@@ -301,6 +459,8 @@ def say(name: str, value) -> str:
         return f"--fused {({True: 'on', False: 'off', None: 'auto'}[value])}"
     if name == "reduce_overflow":  # not a flag: the scripts always reduce it
         return library_words(name, value)
+    if name == "lr_schedule":  # two flags: this trainer's schedules, and torchvision's schedulers
+        return f"--lr-scheduler {value}" if value in TORCHVISION_SCHEDULES else f"--lr-schedule {value}"
     flag = _FLAGS.get(name, _flag(name))
     if value is None:
         return f"out {flag}" if name in ("allreduce_dtype", "reduce_dtype", "accumulate_dtype") else f"{flag} unset"
