@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpfp16.experiments import __main__ as cli
-from mpfp16.experiments import common, loss_scale, lost_updates, memory, regularizer, underflow
+from mpfp16.experiments import common, ema, loss_scale, lost_updates, memory, regularizer, underflow
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,8 @@ def test_every_experiment_writes_its_section_and_plot(tmp_path, capsys):
     assert cli.main(["all", "--quick", "--out", str(out), "--doc", str(doc), "--seeds", "0,1"]) == 0
     text = doc.read_text()
     for name, png in [("lost-updates", "exp_lost_updates.png"), ("underflow", "exp_underflow.png"),
-                      ("regularizer", "exp_regularizer.png"), ("loss-scale", "exp_loss_scale.png")]:
+                      ("regularizer", "exp_regularizer.png"), ("loss-scale", "exp_loss_scale.png"),
+                      ("ema", ema.PNG)]:
         assert text.count(f"<!-- experiment:{name} -->") == 1
         assert (out / png).stat().st_size > 1000
         assert f"](img/{png})" in text
@@ -176,3 +177,49 @@ def test_the_memory_experiment_measures_bytes_and_distance_per_mode(tmp_path):
         assert fp32["bytes"]["model_weights"] == bf16["bytes"]["model_weights"]
     text = doc.read_text()
     assert text.count("| bf16 states, nearest |") == 2 and "--quick: the modes" in text
+
+
+def test_a_16_bit_ema_loses_the_movement_the_fp32_ema_of_the_masters_keeps(tmp_path):
+    """The ema experiment on a tiny run: at 0.99998 the fp16 and bf16 averages of the
+    16-bit weights lose nearly every update and most of the movement, the fp32 average
+    of the masters almost none and ends near the fp64 one; the section and the plot are
+    written."""
+    doc, out = tmp_path / "EXPERIMENTS.md", tmp_path / "img"
+    result = ema.run(ema.quick(), 0, str(out), str(doc))
+    text = doc.read_text()
+    assert text.count("<!-- experiment:ema -->") == 1 and f"](img/{ema.PNG})" in text
+    assert (out / ema.PNG).stat().st_size > 1000
+    assert result["updates"] == len(result["steps"]) > 3
+    by_label = {label: summary for label, _, summary, _ in result["results"]}
+    assert set(by_label) >= {ema.RECIPE_LABEL, ema.UNADJUSTED}
+    unadjusted = by_label[ema.UNADJUSTED]
+    ours = unadjusted[ema.OURS]
+    assert ours["updates_lost"] < 0.05 and abs(ours["movement_lost"]) < 0.01 and ours["error"] < 0.05
+    for name in ("fp16 EMA of the fp16 weights (torchvision, fp16 model)",
+                 "bf16 EMA of the bf16 weights (torchvision, bf16 model)"):
+        assert unadjusted[name]["updates_lost"] > 0.9 and unadjusted[name]["movement_lost"] > 0.5
+    for summary in by_label.values():  # the masters' average is never the worse one
+        assert all(summary[ema.OURS]["error"] <= s["error"] for s in summary.values())
+
+
+def test_the_experiment_averages_as_the_trainer_does():
+    """The experiment's averages are the trainer's arithmetic (mpfp16.train.ema.average_),
+    and its decays include torchvision's recipe's, adjusted as the trainer adjusts it."""
+    from mpfp16.train.ema import ema_decay
+
+    found = dict((label, decay) for label, decay in ema.decays(ema.EMASetup()))
+    assert found[ema.RECIPE_LABEL] == ema_decay(8, 128, 1, 32, 600, 0.99998) == 1 - (1 - 0.99998) * 8 * 128 * 32 / 600
+    assert found[ema.UNADJUSTED] == 0.99998
+    assert ema.average_ is __import__("mpfp16.train.ema", fromlist=["average_"]).average_
+
+
+def test_the_ema_experiment_is_one_command(tmp_path, monkeypatch, capsys):
+    """`python -m mpfp16.experiments ema [--quick]` runs it, with its own run's size."""
+    calls = []
+    monkeypatch.setattr(ema, "run", lambda setup, seed, out, doc: calls.append((setup, seed, out, doc)))
+    assert cli.main(["ema", "--quick", "--out", str(tmp_path), "--doc", str(tmp_path / "d.md"), "--seed", "3"]) == 0
+    assert cli.main(["ema", "--out", str(tmp_path), "--doc", str(tmp_path / "d.md")]) == 0
+    assert calls == [(ema.quick(), 3, str(tmp_path), str(tmp_path / "d.md")),
+                     (ema.EMASetup(), 0, str(tmp_path), str(tmp_path / "d.md"))]
+    assert "ema: done in" in capsys.readouterr().out
+

@@ -4,4 +4,4 @@ Each runs small-scale on a CPU, is deterministic given its seed, saves PNG plots
 writes its section of docs/EXPERIMENTS.md (replacing the previous one).
 """
 
-EXPERIMENTS = ("lost-updates", "underflow", "regularizer", "loss-scale", "accumulation", "memory")
+EXPERIMENTS = ("lost-updates", "underflow", "regularizer", "loss-scale", "accumulation", "memory", "ema")

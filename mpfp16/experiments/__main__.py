@@ -5,7 +5,8 @@ no-master regularizer claim, several seeds), loss-scale (a dynamic loss-scale tr
 accumulation (how far fp16 and fp32 sums of micro-batch gradients are from the exact
 sum; writes docs/ACCUMULATION.md unless --doc is given), memory (16-bit and torchao's
 low-bit optimizer states against fp32 ones: quality and bytes per parameter; writes
-docs/MEMORY.md unless --doc is given), or all. Each finishes in under
+docs/MEMORY.md unless --doc is given), ema (the model EMA of 16-bit weights against
+the fp32 EMA of the fp32 masters, against an fp64 one), or all. Each finishes in under
 about 10 minutes on a 2-core CPU.
 """
 
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
-    from . import accumulation, common, loss_scale, lost_updates, memory, regularizer, underflow
+    from . import accumulation, common, ema, loss_scale, lost_updates, memory, regularizer, underflow
 
     setup = common.quick(common.Setup()) if args.quick else common.Setup()
     names = EXPERIMENTS if args.name == "all" else (args.name,)
@@ -62,6 +63,8 @@ def main(argv=None) -> int:
             underflow.run(setup, args.seed, args.out, doc)
         elif name == "regularizer":
             regularizer.run(setup, seeds, args.out, doc)
+        elif name == "ema":
+            ema.run(ema.quick() if args.quick else ema.EMASetup(), args.seed, args.out, doc)
         else:
             loss_scale.run(setup, args.seed, args.out, doc)
         print(f"{name}: done in {time.perf_counter() - started:.0f}s; section written to {doc}"

@@ -26,6 +26,7 @@ import torch
 from .. import checkpoint
 from .. import distributed as mdist
 from ..errors import CheckpointError, UserError, one_line
+from . import ema as ema_mod
 from . import resume as decide
 from . import rundir
 from .config import FREE_ON_RESUME
@@ -81,6 +82,8 @@ TRAINING_STATE = {
     "config": (False, lambda v: isinstance(v, dict), "a dict of the run's settings"),
     "run": (False, lambda v: isinstance(v, dict), "a dict of the run's facts"),
     "comm": (False, lambda v: isinstance(v, list), "a list of every rank's communication hook state"),
+    "model_ema": (False, ema_mod.is_state, "the model EMA's state (a dict of its fp32 average, 'module', and its "
+                                           "counts n_averaged, epoch, epoch_steps, updates, integers >= 0)"),
 }
 
 
@@ -226,16 +229,20 @@ class RunCheckpoints:
 
     It is given the run's parts once: the model, the module a step calls (``ddp``: a DDP
     wrapper, or the model itself), the optimizer, the scheduler, this process's place
-    (``info``), the run's facts (:meth:`mpfp16.train.engine.Trainer.run_facts`) and the
-    training set's size. A save takes the run's :class:`~mpfp16.train.state.TrainState`
-    and :meth:`resume` returns the one it loaded; the parts are saved and loaded through
-    their own ``state_dict``/``load_state_dict``. It writes no field of the trainer's.
-    Every rank calls every method.
+    (``info``), the run's facts (:meth:`mpfp16.train.engine.Trainer.run_facts`), the
+    training set's size and, with ``--model-ema``, the model EMA
+    (:class:`mpfp16.train.ema.ModelEMA`, saved as ``model_ema``). A save takes the run's
+    :class:`~mpfp16.train.state.TrainState` and :meth:`resume` returns the one it loaded;
+    the parts are saved and loaded through their own ``state_dict``/``load_state_dict``.
+    It writes no field of the trainer's. Every rank calls every method.
     """
 
-    def __init__(self, cfg, info, model, ddp, opt, sched, *, run_facts: dict, training_images: int) -> None:
+    def __init__(self, cfg, info, model, ddp, opt, sched, *, run_facts: dict, training_images: int,
+                 ema=None) -> None:
         self.cfg, self.info = cfg, info
         self.model, self.ddp, self.opt, self.sched = model, ddp, opt, sched
+        self.ema = ema
+        self.ema_resumed = False  # whether the last resume loaded a model EMA
         self.run_facts, self.training_images = run_facts, training_images
         self.format = checkpoint.format_for(model)
         self.last_path = os.path.join(cfg.checkpoint_dir, "last" + self.format.suffix)
@@ -270,6 +277,8 @@ class RunCheckpoints:
             "run": self.run_facts,
             # Every rank's communication-hook state (PowerSGD's error feedback differs between them).
             **({"comm": mdist.gather_object(comm)} if comm is not None else {}),
+            # The fp32 average of the masters, the same on every rank (mpfp16/train/ema.py).
+            **({"model_ema": self.ema.state_dict()} if self.ema is not None else {}),
         }
 
     def save(self, train: TrainState, elapsed: float, best: bool = False) -> None:
@@ -323,7 +332,7 @@ class RunCheckpoints:
         cfg = self.cfg
         path = self.find()
         if path is None:
-            if cfg.evaluate:
+            if cfg.evaluate and cfg.weights is None:  # --test-only --weights FILE evaluates those weights
                 raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
             return TrainState()
         changes: list = []
@@ -377,6 +386,7 @@ class RunCheckpoints:
             checkpoint.set_rng_state(rngs[self.info.rank])
         if not cfg.evaluate:
             self._load_comm_state(path, ckpt.get("comm"), bool(changes))
+        self._load_ema(path, ckpt.get("model_ema"))
         if changes:
             self._apply_changed_settings(fresh_groups)
             if any(name == "loss_scale" for name, _, _ in changes) and not opt.scaler.dynamic:
@@ -385,6 +395,24 @@ class RunCheckpoints:
                           samples_done=decide.samples_done(ckpt, cfg.batch_size),
                           best_acc1=float(ckpt["best_acc1"]), best_epoch=ckpt["best_epoch"],
                           elapsed_before=float(ckpt.get("elapsed", 0.0)))
+
+    def _load_ema(self, path: str, saved) -> None:
+        """Give the model EMA its saved state. A checkpoint without one (of a run without
+        ``--model-ema``, resumed with it, which only ``--allow-changed-config`` lets
+        through, or written before the setting existed) leaves the average to start
+        from the model at its next update, said in one line."""
+        if self.ema is None:
+            return
+        if saved is None:
+            logger.warning("%s holds no model EMA (its run was without --model-ema): %s", path,
+                           "only the model is evaluated" if self.cfg.evaluate else
+                           "the average starts from the model at its next update")
+            return
+        try:
+            self.ema.load_state_dict(saved)
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {path}: {one_line(exc)}") from None
+        self.ema_resumed = True
 
     def _load_comm_state(self, path: str, saved, changed: bool) -> None:
         """Give the communication hook its state back (:func:`mpfp16.train.resume.comm_state`)."""
