@@ -7,7 +7,7 @@ import pytest
 from dist_helpers import check, python
 
 HEAVY = ["torchvision", "tqdm", "torch._inductor", "torch._dynamo", "mpfp16.train", "mpfp16.stores.kernels", "lightning",
-         "transformers", "accelerate", "torchao", "mpfp16.integrations"]
+         "transformers", "accelerate", "torchao", "peft", "timm", "mpfp16.integrations"]
 
 
 def modules_added_by(statement):
