@@ -113,3 +113,20 @@ def kill_a_worker_once_saved(proc, checkpoint, timeout: float = 120) -> str:
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from" in out  # the group restarted and resumed from the checkpoint
     return out
+
+
+def poison_step(monkeypatch, step: int = 1) -> None:
+    """Make the training scripts' step ``step`` (0-based) see one NaN image in its
+    batch, so that its gradients overflow and the step is skipped."""
+    from mpfp16.train import engine
+
+    prepare = engine.Trainer._prepare
+
+    def poisoned(self, images):
+        images = prepare(self, images)
+        if self.model.training and self.step == step:
+            images = images.clone()
+            images[0] = float("nan")
+        return images
+
+    monkeypatch.setattr(engine.Trainer, "_prepare", poisoned)

@@ -22,7 +22,7 @@ from mpfp16.train.checkpointing import check_training_state
 from mpfp16.train.config import TrainConfig
 from mpfp16.train.ema import ModelEMA, average_, check_options, ema_decay, is_state
 from mpfp16.train.models import resnet9
-from run_helpers import assert_same_final_state, records, run_main
+from run_helpers import assert_same_final_state, poison_step, records, run_main
 
 TINY_CIFAR = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]  # tests/test_scripts.py's
 EMA = ["--model-ema", "--model-ema-decay", "0.999"]
@@ -329,16 +329,7 @@ def test_one_skipped_step_leaves_the_epoch_loss_finite(cifar_root, tmp_path, cap
     """One NaN image in the second step's batch: that step is skipped, and the epoch's
     train loss (printed, and in the metrics) is over the 11 steps that trained, with 1
     skipped; a logged window's loss too. The EMA neither averages nor counts it."""
-    prepare = engine.Trainer._prepare
-
-    def poisoned(self, images):
-        images = prepare(self, images)
-        if self.model.training and self.step == 1:
-            images = images.clone()
-            images[0] = float("nan")
-        return images
-
-    monkeypatch.setattr(engine.Trainer, "_prepare", poisoned)
+    poison_step(monkeypatch, 1)
     metrics = tmp_path / "m.jsonl"
     result = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "-p", "4", "--epochs", "1", "--model-ema",
                                          "--model-ema-steps", "1", "--checkpoint-dir", str(tmp_path), "--metrics",

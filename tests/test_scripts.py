@@ -12,7 +12,7 @@ import dist_helpers
 import train_cifar
 import train_imagenet
 from fake_data import write_fake_imagefolder
-from run_helpers import assert_same_final_state, records, run_main
+from run_helpers import assert_same_final_state, poison_step, records, run_main
 
 TINY_CIFAR = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1"]
 # resnet18 has over 1M parameters: --fused off spares each run the kernel compilation,
@@ -70,18 +70,9 @@ def test_metrics_file_has_the_promised_keys(cifar_root, tmp_path, capsys):
 def test_a_skipped_step_names_its_culprits_in_the_metrics(cifar_root, tmp_path, capsys, monkeypatch):
     """One NaN image in the second step's batch: its train record carries the
     parameters whose gradient held NaN (opt.last_overflow), the others none."""
-    from mpfp16.train import engine, models
+    from mpfp16.train import models
 
-    prepare = engine.Trainer._prepare
-
-    def poisoned(self, images):
-        images = prepare(self, images)
-        if self.model.training and self.step == 1:
-            images = images.clone()
-            images[0] = float("nan")
-        return images
-
-    monkeypatch.setattr(engine.Trainer, "_prepare", poisoned)
+    poison_step(monkeypatch, 1)
     metrics = tmp_path / "m.jsonl"
     result = run_main(train_cifar.main, [cifar_root, *TINY_CIFAR, "--epochs", "1", "--max-steps", "3",
                                          "--checkpoint-dir", str(tmp_path), "--metrics", str(metrics)], capsys)

@@ -54,17 +54,13 @@ RECIPE = {"world_size": 8, "batch_size": 128, "model_ema_steps": 32, "epochs": 6
 
 
 @dataclass
-class EMASetup:
-    """The training run whose masters are averaged; its defaults run in about a
-    minute on a 2-core CPU."""
+class EMASetup(C.Setup):
+    """The training run whose masters are averaged (:class:`mpfp16.experiments.common.Setup`
+    with this experiment's sizes); its defaults run in about a minute on a 2-core CPU."""
 
-    width: int = 8
-    train_images: int = 2000
     val_images: int = 200
     epochs: int = 5
     batch_size: int = 32
-    lr: float = 0.4
-    weight_decay: float = 5e-4
 
 
 def quick() -> EMASetup:
