@@ -99,7 +99,9 @@ def test_one_fused_adam_step_is_the_reference_but_the_updates_last_bits(kind):
                 r.copy_(m)  # the next step from the same values
             for p, q in zip(model.parameters(), ref_model.parameters()):
                 q.copy_(p)
-    assert 0 < differing < total / 20  # a few last bits, and a case that shows them
+    # a few last bits at most; how many depends on the CPU and the thread count (none on
+    # AVX-512 at 2 threads, where torch's square root rounds as the kernel's does)
+    assert differing < total / 20
 
 
 @pytest.mark.parametrize("fused", [False, True])
