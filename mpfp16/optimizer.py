@@ -64,7 +64,8 @@ __all__ = ["FP16Optimizer"]
 
 logger = logging.getLogger("mpfp16")
 
-_FP16_LARGEST_SCALE = 2.0 ** 15  # the largest power of two fp16 holds: a 16-bit loss's gradient fits below it
+# Below it any 16-bit loss's own gradient fits, and backward need not read the loss's dtype.
+_FP16_LARGEST_SCALE = largest_scale(torch.float16)
 
 
 class FP16Optimizer(torch.optim.Optimizer):

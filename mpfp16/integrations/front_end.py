@@ -11,7 +11,7 @@ from ..convert import to_half
 from ..optimizer import FP16Optimizer
 from ..options import check_options, check_rounding_seed, make_scaler, state_dtypes_of
 
-__all__ = ["FrontEndOptions", "show_unscaled_gradients", "take_written_gradients"]
+__all__ = ["FrontEndOptions", "show_unscaled_gradients", "take_written_gradients", "written"]
 
 ALLREDUCE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
 
@@ -106,6 +106,14 @@ def take_written_gradients(opt: FP16Optimizer) -> None:
     for p, m in zip(opt.model_params(), opt.master_params()):
         if p is m or p.grad is None or m.grad is None:
             continue
-        written = p.grad.view(torch.int16) != m.grad.to(p.dtype).view(torch.int16)
-        if bool(written.any()):
-            torch.where(written, p.grad.float(), m.grad, out=m.grad)
+        mask = written(p.grad, m.grad)
+        if bool(mask.any()):
+            torch.where(mask, p.grad.float(), m.grad, out=m.grad)
+
+
+def written(sixteen: torch.Tensor, fp32: torch.Tensor) -> torch.Tensor:
+    """The elements of a 16-bit tensor whose bits are not its fp32 twin's rounding to
+    nearest: what was written into it since it was copied from the fp32 values (a
+    weight from its master, a gradient from its unscaled fp32 one). NaN-safe: bits,
+    not values, are compared."""
+    return sixteen.detach().view(torch.int16) != fp32.to(sixteen.dtype).view(torch.int16)

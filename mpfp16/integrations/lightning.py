@@ -37,7 +37,7 @@ from ..options import make_scaler
 from ..parallel.ranks import is_main_process
 from ..parallel.ddp import attach
 from ..parallel.handles import handle_of
-from .front_end import FrontEndOptions, show_unscaled_gradients, take_written_gradients
+from .front_end import FrontEndOptions, show_unscaled_gradients, take_written_gradients, written
 
 try:
     from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -165,13 +165,13 @@ class _Shared:
         out = state
         for opt in self.optimizers or [None]:
             out = export_state_dict(module, opt, "masters", state_dict=out)
-        written = {}
+        values = {}
         for opt in self.optimizers:
-            written.update(_written_values(opt))
-        if written:
+            values.update(_written_values(opt))
+        if values:
             for name, p in module.named_parameters(remove_duplicate=False):
-                if id(p) in written and name in out:
-                    out[name] = written[id(p)]
+                if id(p) in values and name in out:
+                    out[name] = values[id(p)]
         return out
 
     def _converted(self) -> torch.nn.Module:
@@ -292,8 +292,8 @@ def _adopt_written_weights(opt: FP16Optimizer) -> None:
     It reads every weight and master, a pass as long as the step's (longer on a CPU,
     whose eager fp32-to-16-bit conversion is slow): the Trainer's plugin runs it where
     Lightning runs the hooks that write weights, not at every step."""
-    for weight, master, written in _written(opt):
-        torch.where(written, weight.to(master.dtype), master, out=master)
+    for weight, master, mask in _written(opt):
+        torch.where(mask, weight.to(master.dtype), master, out=master)
 
 
 def _written(opt: FP16Optimizer):
@@ -304,9 +304,9 @@ def _written(opt: FP16Optimizer):
     for weight, master in zip(opt.model_params(), opt.master_params()):
         if weight is master or weight.dtype == master.dtype or weight.shape != master.shape:
             continue
-        written = master.to(weight.dtype).view(torch.int16) != weight.detach().view(torch.int16)
-        if bool(written.any()):
-            yield weight, master, written
+        mask = written(weight, master)
+        if bool(mask.any()):
+            yield weight, master, mask
 
 
 def _written_values(opt: FP16Optimizer) -> dict:

@@ -315,7 +315,9 @@ def _check_own_checkpoint(checkpoint: str) -> None:
     path = os.path.join(checkpoint, "optimizer.pt")
     if not os.path.isfile(path):
         return
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    # memory-mapped: only the record's small entries are read, not the masters and the
+    # state, which the Trainer's own load reads next
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if isinstance(saved, dict) and str(saved.get("format", "")).startswith("mpfp16.FP16Optimizer"):
         return
     amp = " and torch.amp's scaler.pt" if os.path.isfile(os.path.join(checkpoint, "scaler.pt")) else ""
