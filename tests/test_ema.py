@@ -355,9 +355,9 @@ def ddp_worker(rank, argv):
 
 @pytest.mark.slow
 def test_every_rank_keeps_the_same_ema(cifar_root, tmp_path):
+    """2 processes, the replicas compared at every step, the EMA's included."""
     from dist_helpers import run_workers
 
-    """2 processes, the replicas compared at every step, the EMA's included."""
     argv = [cifar_root, *TINY_CIFAR, "--precision", "bf16", "--epochs", "1", *EMA, "--model-ema-steps", "2",
             "--check-replicas", "1", "--checkpoint-dir", str(tmp_path / "ck")]
     results = run_workers(ddp_worker, tmp_path / "out", args=(argv,), timeout=240)
