@@ -40,7 +40,7 @@ def free_port() -> int:
 
 # What the fork server imports once, so that each worker forked from it starts with them.
 PRELOAD = ["torch", "torchvision", "mpfp16", "mpfp16.train.engine", "mpfp16.train.cli", "dist_helpers", "dist_workers",
-           "fault_workers", "sharding_workers", "checkpoint_workers", "compression_workers", "train_cifar",
+           "fault_workers", "sharding_workers", "checkpoint_workers", "compression_workers", "wire_workers", "train_cifar",
            "train_imagenet", "lightning_workers", "lightning.pytorch"]  # a module that is not installed is skipped
 
 

@@ -160,7 +160,7 @@ def test_help_lists_the_strategies_and_powersgd_settings(main, capsys):
         main(["--help"])
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "{allreduce,fp32_accumulate,fp16_compress,bf16_compress,powersgd}" in text
+    assert "{allreduce,fp32_accumulate,fp16_compress,bf16_compress,powersgd,fp8_compress,int8_compress,topk}" in text
     assert "fp16_compress, bf16_compress, powersgd: torch's compression hooks, with --precision fp32" in text
     assert "--powersgd-rank N rank of PowerSGD's low-rank approximation (default: 1)" in text
     assert "--powersgd-start-iter N optimizer steps of plain allreduce before PowerSGD compresses (default: 2)" in text

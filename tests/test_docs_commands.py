@@ -602,3 +602,19 @@ def test_the_readme_python_example_runs(tmp_path, monkeypatch):
     assert loss.dtype == torch.float32 and loss.item() < 0.5, out.getvalue()  # chance: ln 4 = 1.39
     assert opt.skipped_steps < 10 and "loss" in out.getvalue()
     assert (tmp_path / "opt.pt").is_file()
+
+
+def test_the_distributed_guide_example_runs_in_one_process(monkeypatch):
+    """docs/DISTRIBUTED.md's first Python block, run as shown in a process without
+    torchrun's variables: it runs alone, as its text says, and takes its step."""
+    import torch
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    block = next(b for b in fenced_blocks("docs/DISTRIBUTED.md") if b.lang == "python")
+    code = compile("\n" * (block.start - 1) + "\n".join(block.lines), str(ROOT / "docs/DISTRIBUTED.md"), "exec")
+    namespace = {"__name__": "__guide__"}
+    with torch.random.fork_rng(), contextlib.redirect_stdout(io.StringIO()):
+        exec(code, namespace)  # noqa: S102 (the guide's own example)
+    assert namespace["stats"] is None and not namespace["info"].distributed
+    assert namespace["opt"].skipped_steps == 0 and torch.isfinite(namespace["loss"])

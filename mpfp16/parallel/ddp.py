@@ -17,6 +17,9 @@ from .ranks import group_ranks, is_initialized
 from .handles import Handle, handle_of, register
 from .hooks import HOOKS, STRATEGIES, TORCH_STRATEGIES, HookState
 from .powersgd import RANDOM_SEED, PowerSGDMemory
+from .quantize import check_format
+from .wires import (DEFAULT_FP8_FORMAT, DEFAULT_TOPK_MOMENTUM, DEFAULT_TOPK_RATIO, WIRE_STRATEGIES, WireMemory,
+                    WireOptions)
 from .setup import close_at_teardown
 
 __all__ = ["wrap", "attach", "check_options", "comm_state_dict", "load_comm_state_dict", "WIRE_DTYPES"]
@@ -26,7 +29,9 @@ WIRE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)  # allreduce_
 
 def check_options(*, strategy: str, allreduce_dtype: torch.dtype | None, predivide_factor: float, bucket_mb: float,
                   powersgd_rank: int, powersgd_start_iter: int, grads_16bit: bool | None,
-                  grad_dtypes: tuple[str, ...] = (), say=library_words) -> None:
+                  grad_dtypes: tuple[str, ...] = (), say=library_words, fp8_format: str = DEFAULT_FP8_FORMAT,
+                  error_feedback: bool = False, topk_ratio: float = DEFAULT_TOPK_RATIO,
+                  topk_momentum: float = DEFAULT_TOPK_MOMENTUM) -> None:
     """Refuse, in one line, DDP options that :func:`wrap` cannot honour.
 
     torch's compression hooks (``fp16_compress``, ``bf16_compress``, ``powersgd``) are
@@ -34,9 +39,15 @@ def check_options(*, strategy: str, allreduce_dtype: torch.dtype | None, predivi
     gradients they would cast nothing or compress what is already compressed, and
     they would ignore ``allreduce_dtype`` and ``predivide_factor``.
 
+    The 8-bit and top-k wires (:mod:`mpfp16.parallel.wires`) take any gradient dtype,
+    but their state between steps (error feedback's residual, top-k's momentum and
+    accumulation) is in the gradients' units, which the loss scale of fp16 gradients
+    changes from step to step: with fp16 gradients they refuse it.
+
     Args:
         strategy, allreduce_dtype, predivide_factor, bucket_mb, powersgd_rank,
-        powersgd_start_iter: as :func:`wrap` takes them.
+        powersgd_start_iter, fp8_format, error_feedback, topk_ratio, topk_momentum: as
+        :func:`wrap` takes them.
         grads_16bit: whether the model's trainable parameters (so its gradients) are
             16-bit; None when not known yet (that rule is then not checked).
         grad_dtypes: the names of those 16-bit dtypes (``("float16",)``), for the
@@ -68,6 +79,9 @@ def check_options(*, strategy: str, allreduce_dtype: torch.dtype | None, predivi
         if strategy != "powersgd" and value != default:
             raise ValueError(f"{say(name, value)} applies to {say('strategy', 'powersgd')} only, not "
                              f"{say('strategy', strategy)}")
+    _check_wire_options(strategy=strategy, allreduce_dtype=allreduce_dtype, predivide_factor=predivide_factor,
+                        grad_dtypes=grad_dtypes, fp8_format=fp8_format, error_feedback=error_feedback,
+                        topk_ratio=topk_ratio, topk_momentum=topk_momentum, say=say)
     if strategy not in TORCH_STRATEGIES:
         return
     if grads_16bit:
@@ -83,6 +97,45 @@ def check_options(*, strategy: str, allreduce_dtype: torch.dtype | None, predivi
                          f"{say('predivide_factor', 1.0)}")
 
 
+def _check_wire_options(*, strategy: str, allreduce_dtype, predivide_factor: float, grad_dtypes: tuple[str, ...],
+                        fp8_format: str, error_feedback: bool, topk_ratio: float, topk_momentum: float, say) -> None:
+    """The 8-bit and top-k wires' rules (see :func:`check_options`)."""
+    check_format(fp8_format, say=say)
+    if strategy != "fp8_compress" and fp8_format != DEFAULT_FP8_FORMAT:
+        raise ValueError(f"{say('fp8_format', fp8_format)} applies to {say('strategy', 'fp8_compress')} only, not "
+                         f"{say('strategy', strategy)}")
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"{say('error_feedback', error_feedback)} must be True or False")
+    if error_feedback and strategy not in ("fp8_compress", "int8_compress"):
+        why = {"topk": "keeps what it does not send always (DGC's residual)",
+               "powersgd": "feeds its error back always (torch's use_error_feedback)"}.get(
+            strategy, "drops nothing to feed back")
+        raise ValueError(f"{say('error_feedback', True)} applies to {say('strategy', 'fp8_compress')} and "
+                         f"{say('strategy', 'int8_compress')}; {say('strategy', strategy)} {why}")
+    for name, value, low, high, default, low_open in (("topk_ratio", topk_ratio, 0.0, 1.0, DEFAULT_TOPK_RATIO, True),
+                                                      ("topk_momentum", topk_momentum, 0.0, 1.0,
+                                                       DEFAULT_TOPK_MOMENTUM, False)):
+        inside = isinstance(value, (int, float)) and (low < value if low_open else low <= value) and value < high
+        if not inside:
+            raise ValueError(f"{say(name, value)} must be in {'(' if low_open else '['}{low:g}, {high:g})")
+        if strategy != "topk" and value != default:
+            raise ValueError(f"{say(name, value)} applies to {say('strategy', 'topk')} only, not "
+                             f"{say('strategy', strategy)}")
+    if strategy not in WIRE_STRATEGIES:
+        return
+    if allreduce_dtype is not None:
+        raise ValueError(f"{say('strategy', strategy)} decides its own wire dtype; leave {say('allreduce_dtype', None)}")
+    if predivide_factor != 1:
+        raise ValueError(f"{say('strategy', strategy)} sums in fp32 and divides by the world size itself; leave "
+                         f"{say('predivide_factor', 1.0)}")
+    keeps_state = strategy == "topk" or error_feedback
+    if keeps_state and any(d in ("float16", say("precision", "fp16")) for d in grad_dtypes):
+        what = say("strategy", strategy) if strategy == "topk" else say("error_feedback", True)
+        raise ValueError(f"{what} keeps gradients from step to step, and fp16 gradients are scaled by a loss scale "
+                         "that changes between steps, so they would come back in the wrong units: use it with a "
+                         "bf16 or fp32 model")
+
+
 def _half_dtypes(model: torch.nn.Module) -> list[str]:
     """The 16-bit dtypes of ``model``'s trainable parameters, by name."""
     return sorted({dtype_name(p.dtype) for p in model.parameters()
@@ -91,7 +144,9 @@ def _half_dtypes(model: torch.nn.Module) -> list[str]:
 
 def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, predivide_factor: float = 1.0,
          bucket_mb: float = 25, strategy: str = "allreduce", *, powersgd_rank: int = 1, powersgd_start_iter: int = 2,
-         device_ids=None, process_group=None, broadcast_buffers: bool = True, find_unused_parameters: bool = False,
+         fp8_format: str = DEFAULT_FP8_FORMAT, error_feedback: bool = False, topk_ratio: float = DEFAULT_TOPK_RATIO,
+         topk_momentum: float = DEFAULT_TOPK_MOMENTUM, device_ids=None, process_group=None,
+         broadcast_buffers: bool = True, find_unused_parameters: bool = False,
          static_graph: bool = False) -> DistributedDataParallel:
     """Wrap ``model`` in DistributedDataParallel with an mpfp16 communication hook.
 
@@ -104,13 +159,22 @@ def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, pre
             first, as DDP's default hook does.
         bucket_mb: DDP bucket size in MiB (apex's ``message_size``).
         strategy: ``"allreduce"`` or ``"fp32_accumulate"`` (16-bit wire, fp32 sums);
-            or, for an fp32 model, one of torch's compression hooks as a baseline:
-            ``"fp16_compress"``, ``"bf16_compress"``, ``"powersgd"`` (see
-            :mod:`mpfp16.parallel.hooks`).
+            ``"fp8_compress"``, ``"int8_compress"`` (8-bit codes, a scale per 256
+            elements, fp32 sums) or ``"topk"`` (Deep Gradient Compression), for any
+            model (:mod:`mpfp16.parallel.wires`); or, for an fp32 model, one of
+            torch's compression hooks as a baseline: ``"fp16_compress"``,
+            ``"bf16_compress"``, ``"powersgd"`` (see :mod:`mpfp16.parallel.hooks`).
         powersgd_rank: PowerSGD's ``matrix_approximation_rank``.
         powersgd_start_iter: PowerSGD's ``start_powerSGD_iter``: optimizer steps of
             plain allreduce before compression starts; at least 2, torch's minimum with
             error feedback and warm start (both on).
+        fp8_format: ``"e4m3"`` (default) or ``"e5m2"``, for ``"fp8_compress"``.
+        error_feedback: for the 8-bit wires: keep what the encoding dropped and add
+            it back next step (not with fp16 gradients: see :func:`check_options`).
+        topk_ratio: for ``"topk"``: the share of each parameter's entries sent, in
+            (0, 1).
+        topk_momentum: for ``"topk"``: DGC's momentum correction factor, in [0, 1);
+            the optimizer must then apply no momentum of its own.
         device_ids, process_group, broadcast_buffers, find_unused_parameters,
         static_graph: passed to DDP. BatchNorm buffers are broadcast from rank 0 at
             each forward when ``broadcast_buffers`` is True, as DDP does.
@@ -128,7 +192,8 @@ def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, pre
     half = _half_dtypes(model)
     check_options(strategy=strategy, allreduce_dtype=allreduce_dtype, predivide_factor=predivide_factor,
                   bucket_mb=bucket_mb, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter,
-                  grads_16bit=bool(half), grad_dtypes=tuple(half))
+                  grads_16bit=bool(half), grad_dtypes=tuple(half), fp8_format=fp8_format,
+                  error_feedback=error_feedback, topk_ratio=topk_ratio, topk_momentum=topk_momentum)
     param = next(model.parameters(), None)
     if device_ids is None and param is not None and param.device.type == "cuda":
         device_ids = [param.device.index]
@@ -147,9 +212,11 @@ def wrap(model: torch.nn.Module, allreduce_dtype: torch.dtype | None = None, pre
         gradient_as_bucket_view=False,
         **{sync_kw: broadcast_buffers},
     )
+    wire = WireOptions(strategy, fp8_format=fp8_format, error_feedback=error_feedback, topk_ratio=topk_ratio,
+                       topk_momentum=topk_momentum) if strategy in WIRE_STRATEGIES else None
     return _hook(ddp, model, strategy=strategy, allreduce_dtype=allreduce_dtype, predivide_factor=predivide_factor,
                  powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter, process_group=process_group,
-                 rebuilds=static_graph or not find_unused_parameters)
+                 rebuilds=static_graph or not find_unused_parameters, wire=wire)
 
 
 def attach(ddp: DistributedDataParallel, allreduce_dtype: torch.dtype | None = None, predivide_factor: float = 1.0,
@@ -181,20 +248,24 @@ def attach(ddp: DistributedDataParallel, allreduce_dtype: torch.dtype | None = N
     check_options(strategy=strategy, allreduce_dtype=allreduce_dtype, predivide_factor=predivide_factor,
                   bucket_mb=1, powersgd_rank=1, powersgd_start_iter=2, grads_16bit=bool(half),
                   grad_dtypes=tuple(half))
-    if strategy == "powersgd":
-        raise ValueError("attach() takes strategy='allreduce' or 'fp32_accumulate' (PowerSGD's state needs the "
-                         "bucket layout wrap() records)")
+    if strategy not in ("allreduce", "fp32_accumulate"):
+        raise ValueError(f"attach() takes strategy='allreduce' or 'fp32_accumulate', not {strategy!r} (use wrap(), "
+                         "which records the parameters that its state is kept by)")
     return _hook(ddp, model, strategy=strategy, allreduce_dtype=allreduce_dtype, predivide_factor=predivide_factor,
                  powersgd_rank=1, powersgd_start_iter=2, process_group=ddp.process_group, rebuilds=True)
 
 
 def _hook(ddp: DistributedDataParallel, model: torch.nn.Module, *, strategy: str, allreduce_dtype, predivide_factor,
-          powersgd_rank: int, powersgd_start_iter: int, process_group, rebuilds: bool) -> DistributedDataParallel:
+          powersgd_rank: int, powersgd_start_iter: int, process_group, rebuilds: bool,
+          wire: WireOptions | None = None) -> DistributedDataParallel:
     """The hook, its state and the module's handle: what wrap() and attach() share."""
     state = HookState(process_group=process_group, allreduce_dtype=allreduce_dtype,
                       predivide_factor=float(predivide_factor))
-    if strategy == "fp32_accumulate" and dist.get_world_size(process_group) > 1:  # a collective: every rank wraps
+    own_traffic = strategy == "fp32_accumulate" or wire is not None
+    if own_traffic and dist.get_world_size(process_group) > 1:  # a collective: every rank wraps
         state.exchange_group = dist.new_group(group_ranks(process_group))
+    if wire is not None:
+        state.wire = WireMemory(wire, {name: p for name, p in model.named_parameters() if p.requires_grad})
     if strategy == "powersgd":
         state.powersgd = _powersgd_memory(model, ddp, process_group, powersgd_rank, powersgd_start_iter,
                                           rebuilds=rebuilds)
@@ -256,14 +327,26 @@ def _hook_state(model: torch.nn.Module) -> HookState | None:
     return handle.hook_state if handle is not None and handle.kind == "ddp" else None
 
 
+def _memory(model: torch.nn.Module):
+    """The hook's state between steps: PowerSGD's, or a wire's that keeps some (error
+    feedback, top-k); None for any other hook or model."""
+    state = _hook_state(model)
+    if state is None:
+        return None
+    if state.powersgd is not None:
+        return state.powersgd
+    return state.wire if state.wire is not None and state.wire.options.kinds else None
+
+
 def comm_state_dict(model: torch.nn.Module) -> dict | None:
     """This rank's communication-hook state that a checkpoint must keep for a resume
     to continue bit-identically, as plain tensors (on CPU) and values: PowerSGD's
     error feedback (which differs between ranks), Q memory, step count and random
-    state. None when the hook keeps no state (every other strategy) or ``model`` was
-    not made by :func:`wrap`. Call it between optimizer steps."""
-    state = _hook_state(model)
-    return state.powersgd.state_dict() if state is not None and state.powersgd is not None else None
+    state; the 8-bit wires' residuals with error feedback; top-k's momentum and
+    accumulation. None when the hook keeps no state (every other strategy) or
+    ``model`` was not made by :func:`wrap`. Call it between optimizer steps."""
+    memory = _memory(model)
+    return memory.state_dict() if memory is not None else None
 
 
 def load_comm_state_dict(model: torch.nn.Module, saved: dict) -> str | None:
@@ -279,7 +362,8 @@ def load_comm_state_dict(model: torch.nn.Module, saved: dict) -> str | None:
         ValueError: one line, when the state is of other parameters or malformed, or
             the model's hook keeps no state.
     """
-    state = _hook_state(model)
-    if state is None or state.powersgd is None:
-        raise ValueError("this model's communication hook keeps no state to load (only strategy 'powersgd' does)")
-    return state.powersgd.load_state_dict(saved)
+    memory = _memory(model)
+    if memory is None:
+        raise ValueError("this model's communication hook keeps no state to load (only strategies 'powersgd', "
+                         "'topk', and 'fp8_compress' and 'int8_compress' with error feedback do)")
+    return memory.load_state_dict(saved)

@@ -51,17 +51,19 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from .. import inductor
 from ..errors import compile_errors, dtype_name, one_line
 from . import accumulation
+from .p2p import exchange
 from .powersgd import PowerSGDMemory
+from .wires import WIRE_STRATEGIES, WireMemory, average_8bit, average_topk
 
-__all__ = ["STRATEGIES", "MPFP16_STRATEGIES", "TORCH_STRATEGIES", "CommStats", "HookState", "allreduce_hook",
-           "fp32_accumulate_hook", "fp16_compress_hook", "bf16_compress_hook", "powersgd_hook", "HOOKS",
-           "average_fp32_accumulate"]
+__all__ = ["STRATEGIES", "MPFP16_STRATEGIES", "TORCH_STRATEGIES", "WIRE_STRATEGIES", "CommStats", "HookState",
+           "allreduce_hook", "fp32_accumulate_hook", "fp16_compress_hook", "bf16_compress_hook", "powersgd_hook",
+           "wire_hook", "HOOKS", "average_fp32_accumulate"]
 
 logger = logging.getLogger("mpfp16")
 
 MPFP16_STRATEGIES = ("allreduce", "fp32_accumulate")
 TORCH_STRATEGIES = ("fp16_compress", "bf16_compress", "powersgd")  # torch's compression hooks, for fp32 models
-STRATEGIES = MPFP16_STRATEGIES + TORCH_STRATEGIES
+STRATEGIES = MPFP16_STRATEGIES + TORCH_STRATEGIES + WIRE_STRATEGIES  # WIRE_STRATEGIES: 8-bit and top-k
 
 
 
@@ -86,14 +88,19 @@ class CommStats:
         self.wait_s = 0.0
         self._first_launch = self._last_launch = self._last_finish = None
 
-    def launched(self, numel: int, wire_dtype: torch.dtype, at: float | None = None) -> None:
+    def launched(self, numel: int, wire_dtype: torch.dtype, at: float | None = None,
+                 also: dict[torch.dtype, int] | None = None) -> None:
         """A bucket of ``numel`` elements of ``wire_dtype`` on the wire was handed over
-        at ``at`` (``time.perf_counter()``; default now). A hook that learns its
-        payload only after it has compressed passes the hand-over time it took before."""
+        at ``at`` (``time.perf_counter()``; default now), with ``also``'s elements of
+        other dtypes in the same message (the 8-bit wires' scales, top-k's indices).
+        A hook that learns its payload only after it has compressed passes the
+        hand-over time it took before."""
         now = time.perf_counter() if at is None else at
         with self._lock:
             self.calls += 1
             self.bytes_by_dtype[dtype_name(wire_dtype)] += numel * wire_dtype.itemsize
+            for dtype, count in (also or {}).items():
+                self.bytes_by_dtype[dtype_name(dtype)] += count * dtype.itemsize
             if self._first_launch is None:
                 self._first_launch = now
             self._last_launch = now
@@ -153,6 +160,7 @@ class HookState:
     small_numel: int = 1 << 16  # below this, fp32_accumulate upcasts and allreduces in fp32
     stats: CommStats = field(default_factory=CommStats)
     powersgd: PowerSGDMemory | None = None  # strategy "powersgd" only
+    wire: WireMemory | None = None  # WIRE_STRATEGIES only
     compile_reduce: bool = True  # fp32_accumulate's reduction compiled; False once compiling failed
     # fp32_accumulate's own group, of the same ranks: its exchanges run on a worker
     # thread while DDP issues collectives of its own on ``process_group`` (the used-
@@ -183,6 +191,8 @@ class HookState:
         self.stats.new_round()
         if self.powersgd is not None:
             self.powersgd.new_round()
+        if self.wire is not None:
+            self.wire.abandon_round()
 
     def close(self) -> None:
         if self.powersgd is not None:
@@ -260,29 +270,6 @@ def _reduce(state: HookState, mine: torch.Tensor, others: torch.Tensor, world: i
     _reduce_shard(mine, others, world)
 
 
-def _exchange(group, rank: int, sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None]) -> None:
-    """Point-to-point: send ``sends[j]`` to rank j and receive ``recvs[j]`` from it.
-    Empty tensors are neither sent nor received (both sides know every size).
-
-    Every receive is posted before any send. On gloo, with the sends first, the two
-    directions of a link often ran one after the other: on an emulated 1 Gbit/s link
-    (mpfp16.bench.netem) 8 MB each way took 118-140 ms in 8 of 12 tries, against
-    70-81 ms in 12 of 12 with the receives first (67 ms is the link's limit)."""
-    receives, sends_ = [], []
-    for j, (s, r) in enumerate(zip(sends, recvs)):
-        if j == rank:
-            continue
-        peer = dist.get_global_rank(group, j)
-        if r.numel():
-            receives.append(dist.P2POp(dist.irecv, r, peer, group))
-        if s.numel():
-            sends_.append(dist.P2POp(dist.isend, s, peer, group))
-    ops = receives + sends_
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-
 def average_fp32_accumulate(state: HookState, buf: torch.Tensor) -> torch.dtype:
     """Average a 16-bit ``buf`` across ranks in place with fp32 sums; return the wire dtype.
 
@@ -318,10 +305,10 @@ def _fp32_accumulate(state: HookState, buf: torch.Tensor) -> None:
         rows = iter(others)
         recvs = [mine if j == rank else next(rows) for j in range(world)]
         # Reduce-scatter: every other rank's copy of my shard arrives in `others`.
-        _exchange(group, rank, shards, recvs)
+        exchange(group, rank, shards, recvs)
         _reduce(state, mine, others, world)
         # All-gather: my averaged shard goes out, theirs land in place.
-        _exchange(group, rank, [mine] * world, shards)
+        exchange(group, rank, [mine] * world, shards)
 
 
 class _Worker:
@@ -371,16 +358,53 @@ def fp32_accumulate_hook(state: HookState, bucket):
             carry.land()
         state.stats.finished()
 
+    return _off_thread(state, run, buf)
+
+
+def _off_thread(state: HookState, run, buf: torch.Tensor) -> torch.futures.Future:
+    """A future of ``buf``, set once ``run()`` is done: on the communication thread on
+    CPU (so that backward goes on meanwhile), at once on CUDA, where the p2p waits only
+    order the current stream and the host does not block."""
     fut: torch.futures.Future = torch.futures.Future()
     if buf.device.type == "cpu":
         if state._worker is None:
             state._worker = _Worker()
         state._worker.submit(run, fut, buf)
     else:
-        # On CUDA the p2p waits only order the current stream: the host does not block.
         run()
         fut.set_result(buf)
     return fut
+
+
+def wire_hook(state: HookState, bucket):
+    """Average a bucket through 8-bit codes or top-k (:mod:`mpfp16.parallel.wires`), on
+    the wire's own group, one bucket after the other. Parameters with an fp32 gradient
+    sum (:mod:`mpfp16.parallel.accumulation`) send its 16-bit rounding with this
+    micro-batch added, as on a 16-bit wire. After the last bucket of a backward pass
+    the wire keeps its new state only if every result was finite."""
+    memory = state.wire
+    buf = bucket.buffer()
+    group = state.own_group
+    layout = memory.layout(bucket, dist.get_world_size(group), buf.device)
+    message = memory.message(layout)
+    carry = accumulation.Carry.of(bucket)
+    if carry is not None:
+        carry.fold()
+    first, *rest = message.items()
+    state.stats.launched(first[1], first[0], also=dict(rest))
+    index, last = bucket.index(), bucket.is_last()
+    average = average_topk if memory.options.strategy == "topk" else average_8bit
+
+    def run() -> None:
+        new_state = average(buf, layout, memory.options, group, memory.state(index, layout, buf.device))
+        memory.stage(index, layout, new_state, bool(torch.isfinite(buf).all()))
+        if last:
+            memory.end_round()
+        if carry is not None:
+            carry.land()
+        state.stats.finished()
+
+    return _off_thread(state, run, buf)
 
 
 def _accounted(state: HookState, handed_over: float, numel: int, wire_dtype: torch.dtype,
@@ -436,8 +460,11 @@ def powersgd_hook(state: HookState, bucket):
     before = memory.state.total_numel_after_compression
     fut, compressed = memory.run(bucket)
     numel = memory.state.total_numel_after_compression - before if compressed else bucket.buffer().numel()
+    if bucket.is_last():  # every earlier bucket's result is in: run() waited for it
+        fut = fut.then(lambda f: memory.end_round(f.value()))
     return _accounted(state, handed_over, numel, bucket.buffer().dtype, fut)
 
 
 HOOKS = {"allreduce": allreduce_hook, "fp32_accumulate": fp32_accumulate_hook,
-         "fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compress_hook, "powersgd": powersgd_hook}
+         "fp16_compress": fp16_compress_hook, "bf16_compress": bf16_compress_hook, "powersgd": powersgd_hook,
+         **{strategy: wire_hook for strategy in WIRE_STRATEGIES}}

@@ -27,6 +27,13 @@ So :class:`PowerSGDMemory`
 
 Steps before ``start_powerSGD_iter`` are a plain allreduce, elementwise, and never
 depend on the layout.
+
+A skipped step must leave the state as it was. torch's hook folds each bucket's
+gradient into the error feedback and the P and Q memories, so one rank's NaN (which
+the allreduce hands every rank) would stay in them, and every later step would be
+skipped too. So the state is copied when a backward pass hands over its first bucket,
+and put back when its last bucket's result holds inf or NaN anywhere in the pass: the
+step every rank then skips changes none of it, not even torch's step count.
 """
 
 from __future__ import annotations
@@ -70,13 +77,46 @@ class PowerSGDMemory:
         self._warm = False  # Q's drawn earlier wait outside torch's dicts, to be placed
         self._previous: torch.futures.Future | None = None  # the last bucket's result
         self._warned = False
+        self._before = None  # the state as it was before this backward pass (module docstring)
+        self._round: list[torch.Tensor] = []  # this pass's bucket buffers, which hold their results
 
     # ------------------------------------------------------------------ in the hook
 
     def new_round(self) -> None:
-        """A forward pass: the next backward hands every bucket over again."""
+        """A forward pass: the next backward hands every bucket over again. A backward
+        pass that did not finish leaves the state as it was before it."""
+        if self._before is not None:
+            self._restore()
+        self._round.clear()
         self._seen.clear()
         self._previous = None
+
+    def end_round(self, value):
+        """The last bucket's result is in (every earlier one's too): if any of the
+        pass's results holds inf or NaN, the state goes back to what it was before the
+        pass. Returns ``value``, the last result."""
+        if not all(bool(torch.isfinite(buf).all()) for buf in self._round):
+            self._restore()
+        self._before = None
+        self._round.clear()
+        return value
+
+    def _capture(self) -> None:
+        s = self.state
+        self._before = (s.iter, s.rng.get_state(),
+                        [{i: t.clone() for i, t in memory.items()}
+                         for memory in (s.error_dict, s.p_memory_dict, s.q_memory_dict)],
+                        dict(self._placed), dict(self._error), dict(self._q), self._warm)
+
+    def _restore(self) -> None:
+        s = self.state
+        s.iter, rng, memories, placed, error, q, self._warm = self._before
+        s.rng.set_state(rng)
+        for memory, saved in zip((s.error_dict, s.p_memory_dict, s.q_memory_dict), memories):
+            memory.clear()
+            memory.update(saved)
+        self._placed, self._error, self._q = placed, error, q
+        self._before = None
 
     def run(self, bucket) -> tuple[torch.futures.Future, bool]:
         """torch's ``powerSGD_hook`` on DDP's ``bucket``, once the previous bucket's
@@ -84,6 +124,9 @@ class PowerSGDMemory:
         whether it compressed (False: a plain allreduce, before ``start_powerSGD_iter``)."""
         if self._previous is not None:
             self._previous.wait()
+        if self._before is None:
+            self._capture()
+        self._round.append(bucket.buffer())
         names = tuple(self._names[id(p)] for p in bucket.parameters())
         if self._layout_is_final():
             self.layout[bucket.index()] = names

@@ -217,7 +217,7 @@ def inner_optimizer(cfg: TrainConfig, groups: list[dict], lr: float) -> torch.op
     Raises:
         UserError: settings torch refuses (Nesterov without momentum).
     """
-    build = {"sgd": lambda: torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov),
+    build = {"sgd": lambda: torch.optim.SGD(groups, lr=lr, momentum=cfg.optimizer_momentum, nesterov=cfg.nesterov),
              "sgd_nesterov": lambda: torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True),
              "rmsprop": lambda: torch.optim.RMSprop(groups, lr=lr, momentum=cfg.momentum, eps=0.0316, alpha=0.9),
              "adamw": lambda: torch.optim.AdamW(groups, lr=lr)}
@@ -255,7 +255,8 @@ def wrap(cfg: TrainConfig, net: nn.Module, info: mdist.DistInfo) -> nn.Module:
     return mdist.wrap(net, allreduce_dtype=TORCH_DTYPES.get(cfg.allreduce_dtype),
                       predivide_factor=cfg.predivide_factor, bucket_mb=cfg.bucket_mb,
                       strategy=cfg.allreduce_strategy, powersgd_rank=cfg.powersgd_rank,
-                      powersgd_start_iter=cfg.powersgd_start_iter)
+                      powersgd_start_iter=cfg.powersgd_start_iter, fp8_format=cfg.fp8_format,
+                      error_feedback=cfg.error_feedback, topk_ratio=cfg.topk_ratio, topk_momentum=cfg.topk_momentum)
 
 
 @dataclass

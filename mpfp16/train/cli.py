@@ -418,7 +418,17 @@ def build_parser(task: str, description: str | None = None) -> argparse.Argument
                    help="dtype of the gradient allreduce" + default("allreduce_dtype", "the parameters' dtype"))
     g.add_argument("--allreduce-strategy", choices=STRATEGIES,
                    help="allreduce; fp32_accumulate: 16-bit on the wire, fp32 sums; fp16_compress, bf16_compress, "
-                        "powersgd: torch's compression hooks, with --precision fp32" + default("allreduce_strategy"))
+                        "powersgd: torch's compression hooks, with --precision fp32; fp8_compress, int8_compress: "
+                        "8-bit codes, a scale per 256 elements, fp32 sums; topk: Deep Gradient Compression's top-k, "
+                        "with --momentum applied in the exchange (docs/BANDWIDTH.md)" + default("allreduce_strategy"))
+    g.add_argument("--fp8-format", choices=["e4m3", "e5m2"],
+                   help="with --allreduce-strategy fp8_compress: the fp8 format on the wire" + default("fp8_format"))
+    g.add_argument("--error-feedback", action="store_true",
+                   help="with fp8_compress or int8_compress: keep what the encoding dropped (fp32) and add it back "
+                        "next step" + default("error_feedback"))
+    g.add_argument("--topk-ratio", type=_open_interval(0.0, 1.0), metavar="R",
+                   help="with --allreduce-strategy topk: the share of each parameter's entries sent, in (0, 1)"
+                        + default("topk_ratio"))
     g.add_argument("--powersgd-rank", type=_positive_int, metavar="N",
                    help="rank of PowerSGD's low-rank approximation" + default("powersgd_rank"))
     g.add_argument("--powersgd-start-iter", type=_int_at_least(2), metavar="N",

@@ -113,6 +113,7 @@ BEFORE_THEY_EXISTED = {
     "cutmix_alpha": 0.0, "val_resize_size": None, "val_crop_size": None, "interpolation": "bilinear",
     "ra_sampler": False, "ra_reps": 3, "model_ema": False, "model_ema_steps": 32, "model_ema_decay": 0.99998,
     "weights": None, "use_deterministic_algorithms": False,
+    "fp8_format": "e4m3", "error_feedback": False, "topk_ratio": 0.01,  # the 8-bit and top-k wires
 }
 
 FREE_ON_RESUME = frozenset({
@@ -198,6 +199,9 @@ class TrainConfig:
     allreduce_strategy: str = "allreduce"
     powersgd_rank: int = 1  # PowerSGD's matrix_approximation_rank
     powersgd_start_iter: int = 2  # optimizer steps of plain allreduce before PowerSGD compresses
+    fp8_format: str = "e4m3"  # --allreduce-strategy fp8_compress: e4m3 | e5m2
+    error_feedback: bool = False  # fp8_compress, int8_compress: feed what the encoding dropped back next step
+    topk_ratio: float = 0.01  # --allreduce-strategy topk: the share of each parameter's entries sent
     predivide_factor: float = 1.0
     bucket_mb: float = 25.0
     dist_backend: str | None = None
@@ -272,9 +276,10 @@ class TrainConfig:
             raise ConfigError(f"--loss-scale applies to fp16 only, not --precision {self.precision}")
         if self.shard:
             for name in ("allreduce_strategy", "predivide_factor", "bucket_mb", "powersgd_rank",
-                         "powersgd_start_iter"):
+                         "powersgd_start_iter", "fp8_format", "error_feedback", "topk_ratio"):
                 if getattr(self, name) != _default(name):
-                    raise ConfigError(f"{_flag(name)} configures DDP's allreduce; --shard reduce-scatters instead "
+                    raise ConfigError(f"{say(name, getattr(self, name))} configures DDP's allreduce; --shard "
+                                      "reduce-scatters instead "
                                       "(its dtype: --allreduce-dtype)")
             if self.channels_last:  # FSDP2 raises NotImplementedError for non-contiguous parameters
                 raise ConfigError("--channels-last makes the convolution weights non-contiguous, and FSDP2 shards "
@@ -380,9 +385,27 @@ class TrainConfig:
                                         predivide_factor=self.predivide_factor, bucket_mb=self.bucket_mb,
                                         powersgd_rank=self.powersgd_rank, powersgd_start_iter=self.powersgd_start_iter,
                                         grads_16bit=compute != torch.float32,
-                                        grad_dtypes=(say("precision", self.precision),), say=say)
+                                        grad_dtypes=(say("precision", self.precision),), say=say,
+                                        fp8_format=self.fp8_format, error_feedback=self.error_feedback,
+                                        topk_ratio=self.topk_ratio, topk_momentum=self.topk_momentum)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.allreduce_strategy == "topk":
+            if self.optimizer != "sgd" or self.nesterov:
+                raise ConfigError(f"--allreduce-strategy topk applies --momentum in the exchange (DGC's momentum "
+                                  f"correction), for plain SGD only: use --optimizer sgd with --no-nesterov, not "
+                                  f"{'--nesterov' if self.optimizer == 'sgd' else say('optimizer', self.optimizer)}")
+
+    @property
+    def topk_momentum(self) -> float:
+        """DGC's momentum correction factor: --momentum, which the exchange applies in
+        place of SGD's (:meth:`optimizer_momentum`)."""
+        return self.momentum if self.allreduce_strategy == "topk" else 0.0
+
+    @property
+    def optimizer_momentum(self) -> float:
+        """The momentum the optimizer applies: none under top-k, whose exchange applies it."""
+        return 0.0 if self.allreduce_strategy == "topk" else self.momentum
 
     def changed_on_resume(self, saved: dict) -> list[tuple[str, object, object]]:
         """(name, saved value, value now) for each setting whose change would make a
@@ -457,6 +480,8 @@ def say(name: str, value) -> str:
         return "--no-master-weights" if not value else f"--master-weights {'remainder' if value == 'remainder' else 'fp32'}"
     if name == "fused":
         return f"--fused {({True: 'on', False: 'off', None: 'auto'}[value])}"
+    if name == "error_feedback":  # a switch
+        return "--error-feedback" if value else "no --error-feedback"
     if name == "reduce_overflow":  # not a flag: the scripts always reduce it
         return library_words(name, value)
     if name == "lr_schedule":  # two flags: this trainer's schedules, and torchvision's schedulers

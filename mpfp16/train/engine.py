@@ -384,7 +384,7 @@ class Trainer:
             "lr": self.opt.param_groups[0]["lr"], "grad_norm": self.opt.last_grad_norm,
             "samples_per_s": rate, "allreduce_calls": comm["allreduce_calls"],
             "allreduce_bytes": comm["allreduce_bytes"], "time": self.elapsed(),
-            **{key: comm[key] for key in ("reduce_scatter_calls", "reduce_scatter_bytes", "all_gather_calls",
+            **{key: comm[key] for key in ("allreduce_bytes_by_dtype", "reduce_scatter_calls", "reduce_scatter_bytes", "all_gather_calls",
                                           "all_gather_bytes") if key in comm},
         })
 
