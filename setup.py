@@ -1,4 +1,9 @@
+import re
+
 from setuptools import find_packages, setup
+
+# One version, mpfp16.__version__ (CHANGELOG.md lists the releases).
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("mpfp16/__init__.py", encoding="utf-8").read(), re.M).group(1)
 
 LIGHTNING = ["lightning>=2.4"]
 TRANSFORMERS = ["transformers==5.23.0", "accelerate==1.15.0"]
@@ -8,7 +13,7 @@ TIMM = ["timm>=1.0.31,<1.1"]  # the suite tests 1.0.31
 
 setup(
     name="mpfp16",
-    version="0.1.0",
+    version=VERSION,
     description="A small, exact fp16/bf16 mixed-precision trainer for PyTorch: fp32 master "
                 "weights, loss scaling, fp16 gradient allreduce, exact resume.",
     long_description=open("README.md", encoding="utf-8").read(),

@@ -26,4 +26,4 @@ __all__ = [
     "distributed",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.5.0"

@@ -44,4 +44,4 @@ def test_the_scripts_print_a_stop_and_a_flag_error_with_the_path_whole(capsys, m
     monkeypatch.setattr(cli, "TrainConfig", Refused)
     with pytest.raises(SystemExit):
         cli.config_from_args("cifar", parser.parse_args([]), parser)
-    assert capsys.readouterr().err.splitlines()[-1].endswith("error: --checkpoint-dir runs/a\\nb is a file")
+    assert capsys.readouterr().err.endswith(": error: --checkpoint-dir runs/a\\nb is a file (see --help)\n")

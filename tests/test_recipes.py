@@ -34,14 +34,14 @@ def config(task, argv):
 
 
 def refusal(capsys, task, argv) -> str:
-    """The one error line of ``argv`` (argparse's usage above it, as every flag error)."""
+    """The one error line of ``argv``, without its pointer to --help."""
     parser = cli.build_parser(task)
     with pytest.raises(SystemExit) as exit_:
         cli.config_from_args(task, parser.parse_args(shlex.split(argv)), parser)
     assert exit_.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"{parser.prog}: error: ") and "Traceback" not in last
-    return last.split(": error: ", 1)[1]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{parser.prog}: error: ") and err.endswith(" (see --help)\n"), err
+    return err.split(": error: ", 1)[1].removesuffix(" (see --help)\n")
 
 
 # ----------------------------------------------------------------- flags

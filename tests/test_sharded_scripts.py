@@ -187,5 +187,5 @@ def test_what_a_sharded_run_still_refuses(tmp_path, capsys):
     ]
     for argv, message in cases:
         status, err = run_main(train_cifar.main, argv, capsys)
-        assert status != 0 and message in err.strip().splitlines()[-1], (argv, err)  # after argparse's usage
+        assert status != 0 and message in err.strip().splitlines()[-1], (argv, err)
         assert "Traceback" not in err

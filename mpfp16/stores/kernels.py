@@ -156,7 +156,7 @@ def adam_moments(weights, grad, exp_avg, exp_avg_sq, inv_scale, clip_coef, weigh
     """The first of two passes of Adam with coupled weight decay over 16-bit weights
     without masters: the moments, from ``grad + weight_decay * weight``. In one pass
     the arithmetic waits on a load of the 16-bit weights that the same loop stores
-    to, and the step runs 1.7x slower on one CPU thread (docs/BENCHMARKS.md)."""
+    to, and the step runs 1.7x slower on one CPU thread (docs/BENCHMARKS.md, "Tried and not kept")."""
     g = add_alpha(_unscaled(grad, inv_scale, clip_coef, maximize), weights.float(), weight_decay)
     m, v = _adam_moments(g, exp_avg, exp_avg_sq, one_minus_beta1, beta2, one_minus_beta2, lerp_low)
     exp_avg.copy_(m)

@@ -62,7 +62,7 @@ inline at::vec::Vectorized<T> narrow(const Vec& a, const Vec& b) {
 // does, except that it reads a denormal input as zero and quiets a NaN its own way. A
 // pair of vectors holding either (one VFPCLASSPS each tells) takes at::vec's conversion,
 // so the bits are those of .to() for every input. Against at::vec's: docs/BENCHMARKS.md,
-// "The kernel's bf16 conversion and its loop".
+// "The kernels alone".
 template <>
 inline at::vec::Vectorized<c10::BFloat16> narrow<c10::BFloat16>(const Vec& a, const Vec& b) {
   constexpr int kOdd = 0x01 | 0x20 | 0x80;  // fpclass: quiet NaN, denormal, signalling NaN
@@ -86,7 +86,7 @@ inline void store<float>(float* p, const Vec& a, const Vec& b) {
 // them: with masters the weights are never read, and an ordinary store would first read
 // each line it fills (2 of the step's bytes per parameter). `p` is aligned to a whole
 // vector of 16-bit values (kBlock of them). Against ordinary stores: docs/BENCHMARKS.md
-// (issue 29, "streaming weight stores").
+// ("The kernels alone").
 #ifndef MPFP16_STREAM_WEIGHTS
 #define MPFP16_STREAM_WEIGHTS 1
 #endif
@@ -117,7 +117,7 @@ enum : int { kCoupled = 1, kDecoupled = 2, kMaximize = 4, kLerpLow = 8, kUnscale
 // W, M, V: the types of the weights, exp_avg and exp_avg_sq, each combination a copy of
 // the code of its own. The gradients are fp32 or of W's type, a choice made per call
 // (`fp32_grad`) and taken the same way at every block: as a template parameter too, it
-// doubled the copies and the build's time at first use (docs/BENCHMARKS.md, issue 39).
+// doubled the copies and the build's time at first use.
 template <typename W, typename M, typename V, bool kMaster>
 struct Adam {
   const void* grad;
@@ -183,7 +183,7 @@ struct Adam {
   // of this struct, whose scalars and pointers no store through the buffers can alias:
   // the scalars' broadcasts and the flags' tests then leave the loop (stepping `this`,
   // each block reloaded them, a call per block of 200 instructions: docs/BENCHMARKS.md,
-  // "The kernel's bf16 conversion and its loop").
+  // "The kernels alone").
   template <bool kStream = false>
   __attribute__((noinline)) void blocks(int64_t begin, int64_t end) const {
     const Adam local = *this;

@@ -2,7 +2,7 @@
 check, in C++ on ATen's ``at::vec`` (mpfp16/stores/native.cpp), as torch's own fused CPU
 Adam is written. The inductor kernels of mpfp16/stores/kernels.py do the same
 arithmetic with more instructions per element; these run about level with torch's
-fused AdamW (docs/BENCHMARKS.md, issue 29).
+fused AdamW (docs/BENCHMARKS.md, "How fast is the step").
 
 The library is built at first use, as inductor builds its kernels: with the C++
 compiler ``$CXX`` (else ``c++``; split as a shell splits it, so ``ccache g++`` or

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from .. import checkpoint
+from .. import __version__, checkpoint
 from .. import distributed as mdist
 from ..errors import CheckpointError, UserError, one_line
 from . import ema as ema_mod
@@ -82,6 +82,7 @@ TRAINING_STATE = {
     "config": (False, lambda v: isinstance(v, dict), "a dict of the run's settings"),
     "run": (False, lambda v: isinstance(v, dict), "a dict of the run's facts"),
     "comm": (False, lambda v: isinstance(v, list), "a list of every rank's communication hook state"),
+    "mpfp16_version": (False, lambda v: isinstance(v, str), "the version of mpfp16 that wrote it, a string"),
     "model_ema": (False, ema_mod.is_state, "the model EMA's state (a dict of its fp32 average, 'module', and its "
                                            "counts n_averaged, epoch, epoch_steps, updates, integers >= 0)"),
 }
@@ -275,6 +276,7 @@ class RunCheckpoints:
             "elapsed": elapsed,
             "config": self.cfg.as_dict(),
             "run": self.run_facts,
+            "mpfp16_version": __version__,  # the release that wrote it (CHANGELOG.md)
             # Every rank's communication-hook state (PowerSGD's error feedback differs between them).
             **({"comm": mdist.gather_object(comm)} if comm is not None else {}),
             # The fp32 average of the masters, the same on every rank (mpfp16/train/ema.py).

@@ -218,12 +218,20 @@ def _pair(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with each error in one line, ``<prog>: error: <message> (see --help)``,
+    exit status 2, as the scripts' own errors are: no usage block before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {escape_breaks(message)} (see --help)\n")
+
+
 def build_parser(task: str, description: str | None = None) -> argparse.ArgumentParser:
     """The flags of ``task``'s script. Only the flags given reach the config: every
     default lives in :class:`TrainConfig`, and ``--help`` shows it from there."""
     cifar = task == "cifar"
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                argument_default=argparse.SUPPRESS)
+    p = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                      argument_default=argparse.SUPPRESS)
 
     def default(name: str, text: str | None = None) -> str:
         return f" (default: {text if text is not None else default_text(task, name)})"

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from tqdm import tqdm
 
+from .. import __version__
 from .. import distributed as mdist
 from . import build, rundir
 from . import resume as decide
@@ -425,7 +426,7 @@ class Trainer:
                    "best_epoch": state.best_epoch, "skipped_steps": self.opt.skipped_steps,
                    "loss_scale": self.opt.loss_scale, "wall_s": wall, "checkpoint": last, "best_checkpoint": best,
                    "metrics": self.metrics_path, "replica_checks": self.replica_checks,
-                   "replica_check_s": self.replica_check_s}
+                   "replica_check_s": self.replica_check_s, "mpfp16_version": __version__}
         if self.ema is not None:
             summary.update(best_ema_acc1=self.ema.best_acc1, best_ema_epoch=self.ema.best_epoch,
                            ema_updates=self.ema.updates)
