@@ -7,7 +7,7 @@ the order of the hooks and the checkpoint's keys; ``trainer.predict``; a write i
 weights by a callback (an EMA swap, Lightning's ``EMAWeightAveraging``, a write kept);
 ``EarlyStopping``; ``val_check_interval``; an epoch that ``accumulate_grad_batches`` does
 not divide; a ``torch.compile``d model. Each run is compared bit for bit with mpfp16's
-own loop (tests/lightning_workers.py). docs/LIGHTNING.md maps each Lightning test to one
+own loop (tests/lightning_workers.py). docs/CLAIMS.md maps each Lightning test to one
 here."""
 
 from __future__ import annotations
