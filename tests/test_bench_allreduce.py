@@ -54,11 +54,18 @@ def test_sweep_runs_and_its_rows_are_consistent(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "rows.json").read_text())
     rows = data["rows"]
-    assert {r["dtype"] for r in rows} == {"fp32", "fp16", "bf16", "fp16+acc32", "bf16+acc32"}
+    # the 16-bit types and, by default, every 8-bit and top-k wire (tests/test_bench_wires.py)
+    assert {r["dtype"] for r in rows} == {"fp32", "fp16", "bf16", "fp16+acc32", "bf16+acc32", *bench.WIRES}
     for r in rows:
-        assert set(r) == {"size_bytes", "count", "dtype", "time_us", "algbw_gbps", "busbw_gbps"}
+        assert set(r) == {"size_bytes", "count", "dtype", "time_us", "time_min_us", "time_max_us", "repeats",
+                          "algbw_gbps", "busbw_gbps"}
         assert r["count"] in (1024, 65536)
-        assert r["size_bytes"] == r["count"] * (4 if r["dtype"] == "fp32" else 2)
+        if r["dtype"] in bench.WIRES:
+            options = bench.WireOptions(**bench.WIRES[r["dtype"]])
+            assert r["size_bytes"] == bench.wire_message_bytes(options, r["count"], 2)
+        else:
+            assert r["size_bytes"] == r["count"] * (4 if r["dtype"] == "fp32" else 2)
+        assert r["time_min_us"] <= r["time_us"] <= r["time_max_us"] and r["repeats"] == 2
         assert r["algbw_gbps"] == pytest.approx(r["size_bytes"] / (r["time_us"] * 1e-6) / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 2 * (2 - 1) / 2)
     assert (tmp_path / "rows.png").stat().st_size > 1000

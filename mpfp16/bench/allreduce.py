@@ -10,17 +10,30 @@ Collective sweep (default). For each size, every type averages the same number o
 elements, count = size / 4: the fp32 message is ``size`` bytes and a 16-bit one half
 of it. Types: ``fp32``, ``fp16``, ``bf16`` (one ``all_reduce`` each) and, with
 ``--strategies`` including ``fp32_accumulate``, ``fp16+acc32`` and ``bf16+acc32``
-(mpfp16's 16-bit wire with fp32 sums). The types run alternately, one iteration
-each per round, after ``--warmup`` rounds; each iteration is timed between barriers
-and the slowest rank's time counts; the table gives the median. As in nccl-tests
+(mpfp16's 16-bit wire with fp32 sums), and, with ``--wires`` (default: all of
+them; ``none`` for none), mpfp16's exchanges below 16 bits (mpfp16.parallel.wires):
+``fp8-e4m3``, ``fp8-e5m2``, ``int8`` (8-bit codes and an fp32 scale per 256
+elements, a reduce-scatter and an all-gather, fp32 sums), each also with error
+feedback (``+ef``: the same bytes, one more pass), and ``topk-1%``, ``topk-0.1%``
+(Deep Gradient Compression: fp32 values and int32 indices, all-gathered). A wire's
+row counts one rank's message: codes and scales, or values and indices, the bytes
+mpfp16's comm accounting counts. The types run alternately, one iteration each per
+round, after ``--warmup`` rounds; each iteration is timed between barriers and the
+slowest rank's time counts; the table gives the median, the min and the max, and
+each type's time and bytes over fp32's at the same element count. As in nccl-tests
 (doc/PERFORMANCE.md): algbw = bytes / time; busbw = algbw * 2(n-1)/n for an
-allreduce, the rate each rank's link must sustain, comparable across world sizes.
+allreduce (the 8-bit wires' reduce-scatter and all-gather too), the rate each
+rank's link must sustain, comparable across world sizes; for top-k's all-gather of
+one message per rank, busbw = (n-1) x bytes / time.
 
 Training-step view (``--model``). The gradients of a real model (a torchvision model
 on random images, or a GPT size from mpfp16.train.gpt on random tokens), synced
 by DDP with mpfp16's hooks, in up to four set-ups (``--setups``): an fp32 model; an
 fp16 model with the fp16 allreduce; fp16 with an fp32 allreduce; fp16 with the
-fp32-accumulate strategy; and, with ``fp16-sharded``, fp32 masters sharded by FSDP2
+fp32-accumulate strategy; torch's compression hooks and mpfp16's 8-bit and top-k
+wires on an fp32 model (``fp32-fp8-e4m3``, ``fp32-int8-ef``, ``fp32-topk-0.01``, ...;
+under top-k SGD runs without momentum and the exchange applies it, as DGC does);
+and, with ``fp16-sharded``, fp32 masters sharded by FSDP2
 (:func:`mpfp16.distributed.shard`), whose gradient reduce-scatters and parameter
 all-gathers replace the allreduce (its one-process row is the unsharded fp16 model).
 The optimizer is SGD with momentum; ``--accumulate-dtype fp32`` builds it with
@@ -29,9 +42,10 @@ step's exchanges carrying the sum: the same bytes on the wire).
 Each runs ``--accum`` micro-batches per optimizer step, once with an allreduce on
 every micro-batch and once with ``no_sync`` on all but the last; a one-process
 baseline (rank 0 alone, the others idle) gives the compute-only rate. The table
-reports per-rank micro-batches per second, bytes and allreduce calls per optimizer
-step, the time communication was in flight, and the part of it backward did not
-hide (exposed).
+reports per-rank micro-batches per second, the step time's min, median and max over
+the timed steps (the slowest rank's), bytes and allreduce calls per optimizer step,
+the time communication was in flight, and the part of it backward did not hide
+(exposed), with the bytes and both times over the fp32 model's row of the same run.
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..parallel import hooks
+from ..parallel.wires import WireMemory, WireOptions, average_8bit, average_topk
 from .. import distributed as mdist
 from ..train.gpt import GPT_SIZES, build_gpt, next_token_loss
 from .links import LinkError, WireCounter
@@ -54,6 +69,19 @@ from .timing import time_call
 
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# --wires: mpfp16's 8-bit and top-k exchanges (mpfp16.parallel.wires) -> their WireOptions. Error feedback
+# sends the same bytes and adds a pass over the residual; top-k's momentum is DGC's 0.9 (its cost does not
+# depend on it).
+WIRES = {
+    "fp8-e4m3": {"strategy": "fp8_compress", "fp8_format": "e4m3"},
+    "fp8-e4m3+ef": {"strategy": "fp8_compress", "fp8_format": "e4m3", "error_feedback": True},
+    "fp8-e5m2": {"strategy": "fp8_compress", "fp8_format": "e5m2"},
+    "fp8-e5m2+ef": {"strategy": "fp8_compress", "fp8_format": "e5m2", "error_feedback": True},
+    "int8": {"strategy": "int8_compress"},
+    "int8+ef": {"strategy": "int8_compress", "error_feedback": True},
+    "topk-1%": {"strategy": "topk", "topk_ratio": 0.01, "topk_momentum": 0.9},
+    "topk-0.1%": {"strategy": "topk", "topk_ratio": 0.001, "topk_momentum": 0.9},
+}
 ACCUMULATE_DTYPES = {None: None, "fp32": torch.float32}  # --accumulate-dtype: FP16Optimizer's accumulate_dtype
 
 
@@ -71,12 +99,20 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def parse_list(choices):
+def parse_list(choices, allow_none: bool = False):
+    """A comma-separated list of ``choices`` (``none``: the empty list, where
+    ``allow_none``); one line naming the first item refused."""
     def parse(text: str) -> list[str]:
+        if allow_none and text.strip().lower() == "none":
+            return []
         items = [t.strip() for t in text.split(",") if t.strip()]
         bad = [t for t in items if t not in choices]
         if not items or bad:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)}")
+            what = f"unknown {bad[0]!r}: " if bad else ""
+            raise argparse.ArgumentTypeError(f"{what}expected a comma-separated list of {', '.join(choices)}"
+                                             + (" (or none)" if allow_none else ""))
+        if len(set(items)) != len(items):
+            raise argparse.ArgumentTypeError(f"{text!r} names one twice")
         return items
     return parse
 
@@ -87,9 +123,16 @@ def busbw_factor(world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size
 
 
-def bandwidths(size_bytes: int, seconds: float, world_size: int) -> tuple[float, float]:
-    """(algbw, busbw) in GB/s (1e9 bytes per second)."""
+def bandwidths(size_bytes: int, seconds: float, world_size: int, collective: str = "all_reduce") -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes per second). ``size_bytes`` is one rank's
+    message. An ``all_reduce`` (the 8-bit wires' reduce-scatter and all-gather
+    included: each rank sends 2(n-1)/n of its encoded buffer) scales algbw by
+    :func:`busbw_factor`; an ``all_gather`` of one message per rank (top-k's values
+    and indices) is counted as nccl-tests counts it, on the gathered n x size_bytes
+    with factor (n-1)/n, so busbw = (n-1) x size_bytes / time."""
     algbw = size_bytes / seconds / 1e9
+    if collective == "all_gather":
+        return algbw, algbw * (world_size - 1)
     return algbw, algbw * busbw_factor(world_size)
 
 
@@ -112,36 +155,74 @@ def timed(fn, device: torch.device) -> float:
 # ----------------------------------------------------------------- collective sweep
 
 
-def sweep_methods(count: int, dtypes: list[str], strategies: list[str], device: torch.device) -> dict:
-    """type name -> (function averaging `count` elements, wire dtype)."""
+def wire_message_bytes(options: WireOptions, count: int, world: int) -> int:
+    """The bytes of one rank's message when ``options``' wire averages one tensor of
+    ``count`` elements: 8-bit codes and an fp32 scale per 256-element row (the last
+    row padded), or top-k's fp32 values and int32 indices; what CommStats counts."""
+    memory = WireMemory(options, {"x": torch.empty(count, device="meta")})
+    layout = memory.layout_of(("x",), world, torch.device("cpu"))
+    return sum(n * dtype.itemsize for dtype, n in memory.message(layout).items())
+
+
+def _wire_method(name: str, base: torch.Tensor, device: torch.device):
+    """(average, reset, message bytes) of sweep type ``name`` (a key of WIRES) on a
+    copy of ``base``: ``average()`` runs the wire's exchange on one tensor, carrying
+    its state (residual, top-k's momentum and accumulation) from call to call as
+    training does; ``reset()``, outside the timing, puts the gradient back (the
+    exchange writes the average over it)."""
+    options = WireOptions(**WIRES[name])
+    world = dist.get_world_size()
+    buf = base.clone()
+    memory = WireMemory(options, {"x": buf})
+    layout = memory.layout_of(("x",), world, device)
+    state = [{kind: torch.zeros(layout.state_numel(options.strategy), device=device) for kind in options.kinds}]
+    average = average_topk if options.strategy == "topk" else average_8bit
+
+    def run() -> None:
+        state[0] = average(buf, layout, options, dist.group.WORLD, state[0])
+
+    return run, (lambda: buf.copy_(base)), wire_message_bytes(options, base.numel(), world)
+
+
+def sweep_methods(count: int, dtypes: list[str], strategies: list[str], device: torch.device,
+                  wires: list[str] = ()) -> dict:
+    """type name -> (function averaging `count` elements, one rank's message bytes,
+    the collective it counts as, a reset to run before each timed call or None)."""
     g = torch.Generator().manual_seed(dist.get_rank())
     base = torch.randn(count, generator=g).to(device)
     state = hooks.HookState()
     methods = {}
     for name in dtypes:
         buf = base.to(DTYPES[name])
+        nbytes = count * DTYPES[name].itemsize
         if "allreduce" in strategies or name == "fp32":
-            methods[name] = ((lambda b: lambda: dist.all_reduce(b))(buf), DTYPES[name])
+            methods[name] = ((lambda b: lambda: dist.all_reduce(b))(buf), nbytes, "all_reduce", None)
         if "fp32_accumulate" in strategies and name != "fp32":
             methods[f"{name}+acc32"] = ((lambda b: lambda: hooks.average_fp32_accumulate(state, b))(buf.clone()),
-                                        DTYPES[name])
+                                        nbytes, "all_reduce", None)
+    for name in wires:
+        run, reset, nbytes = _wire_method(name, base, device)
+        methods[name] = (run, nbytes, "all_gather" if WIRES[name]["strategy"] == "topk" else "all_reduce", reset)
     return methods
 
 
 def sweep(sizes: list[int], dtypes: list[str], strategies: list[str], iters: int, warmup: int,
-          device: torch.device, wire: WireCounter | None = None) -> list[dict]:
-    """The sweep's rows. With ``wire``, each row also has ``wire_bytes``: the bytes the
-    busiest node sent on its interface per call (median), headers and the timing's
-    barrier and all-reduce of one number (a few hundred bytes) included."""
+          device: torch.device, wire: WireCounter | None = None, wires: list[str] = ()) -> list[dict]:
+    """The sweep's rows: per size and type, the median time and its min and max over
+    the ``iters`` timed rounds. With ``wire``, each row also has ``wire_bytes``: the
+    bytes the busiest node sent on its interface per call (median), headers and the
+    timing's barrier and all-reduce of one number (a few hundred bytes) included."""
     world = dist.get_world_size()
     rows = []
     for size in sizes:
         count = size // 4
-        methods = sweep_methods(count, dtypes, strategies, device)
+        methods = sweep_methods(count, dtypes, strategies, device, wires)
         times = {name: [] for name in methods}
         sent = {name: [] for name in methods}
         for i in range(warmup + iters):
-            for name, (fn, _) in methods.items():
+            for name, (fn, _, _, reset) in methods.items():
+                if reset is not None:
+                    reset()
                 before = wire.read() if wire is not None else 0
                 t = timed(fn, device)
                 if wire is not None:
@@ -150,12 +231,12 @@ def sweep(sizes: list[int], dtypes: list[str], strategies: list[str], iters: int
                     sent[name].append(wire.read() - before)
                 if i >= warmup:
                     times[name].append(t)
-        for name, (_, wire_dtype) in methods.items():
+        for name, (_, nbytes, collective, _) in methods.items():
             seconds = statistics.median(times[name])
-            nbytes = count * wire_dtype.itemsize
-            algbw, busbw = bandwidths(nbytes, seconds, world)
+            algbw, busbw = bandwidths(nbytes, seconds, world, collective)
             row = {"size_bytes": nbytes, "count": count, "dtype": name, "time_us": seconds * 1e6,
-                   "algbw_gbps": algbw, "busbw_gbps": busbw}
+                   "time_min_us": min(times[name]) * 1e6, "time_max_us": max(times[name]) * 1e6,
+                   "repeats": len(times[name]), "algbw_gbps": algbw, "busbw_gbps": busbw}
             if wire is not None:
                 row["wire_bytes"] = over_ranks(statistics.median(sent[name][warmup:]), device)
             rows.append(row)
@@ -163,16 +244,36 @@ def sweep(sizes: list[int], dtypes: list[str], strategies: list[str], iters: int
     return rows
 
 
-def sweep_table(rows: list[dict]) -> str:
-    """nccl-tests-like table, then each type's time relative to fp32 at equal count."""
-    wired = any("wire_bytes" in r for r in rows)
-    lines = [f"{'size':>12} {'count':>12} {'type':>10} {'time_us':>11} {'algbw':>8} {'busbw':>8}   {'vs fp32':>7}"
-             + (f" {'wire_bytes':>12}" if wired else "")]
-    fp32 = {r["count"]: r["time_us"] for r in rows if r["dtype"] == "fp32"}
+def fp32_ratios(rows: list[dict], key: str = "time_us", group: tuple[str, ...] = ("count",),
+                name: str = "dtype", baseline: str = "fp32") -> list[float | None]:
+    """For each row, its ``key`` over the ``baseline`` row's with the same ``group``
+    fields (the same run's: rows of other runs are never mixed); None where that
+    run has no baseline row or it is 0."""
+    base = {tuple(r.get(g) for g in group): r.get(key) for r in rows if r[name] == baseline}
+    out = []
     for r in rows:
-        ratio = f"{r['time_us'] / fp32[r['count']]:7.2f}" if r["count"] in fp32 else "      -"
-        lines.append(f"{r['size_bytes']:>12} {r['count']:>12} {r['dtype']:>10} {r['time_us']:>11.1f} "
-                     f"{r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f}   {ratio}"
+        b = base.get(tuple(r.get(g) for g in group))
+        out.append(r[key] / b if b and r.get(key) is not None else None)
+    return out
+
+
+def _ratio(value: float | None, width: int = 7, digits: int = 2) -> str:
+    return f"{value:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """nccl-tests-like table: each type's median time, min and max, then its time and
+    its message bytes relative to fp32 at equal count (and, measured on a link, the
+    interface bytes)."""
+    wired = any("wire_bytes" in r for r in rows)
+    times = fp32_ratios(rows)
+    sizes = fp32_ratios(rows, "size_bytes")
+    lines = [f"{'size':>12} {'count':>12} {'type':>11} {'time_us':>11} {'min':>11} {'max':>11} {'algbw':>8} "
+             f"{'busbw':>8}   {'vs fp32':>7} {'bytes vs fp32':>13}" + (f" {'wire_bytes':>12}" if wired else "")]
+    for r, t, b in zip(rows, times, sizes):
+        lines.append(f"{r['size_bytes']:>12} {r['count']:>12} {r['dtype']:>11} {r['time_us']:>11.1f} "
+                     f"{r.get('time_min_us', r['time_us']):>11.1f} {r.get('time_max_us', r['time_us']):>11.1f} "
+                     f"{r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f}   {_ratio(t)} {_ratio(b, 13, 3)}"
                      + (f" {r.get('wire_bytes', 0):>12.0f}" if wired else ""))
     return "\n".join(lines)
 
@@ -187,9 +288,11 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
 
     fp32 = {r["count"]: r["time_us"] for r in rows if r["dtype"] == "fp32"}
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, name in enumerate(dict.fromkeys(r["dtype"] for r in rows)):
+    names = list(dict.fromkeys(r["dtype"] for r in rows))
+    colors = plt.get_cmap("tab20" if len(names) > 10 else "tab10")
+    for i, name in enumerate(names):
         mine = [r for r in rows if r["dtype"] == name]
-        style = {"marker": "o", "label": name, "color": f"C{i}"}
+        style = {"marker": "o", "label": name, "color": colors(i % colors.N)}
         left.plot([r["size_bytes"] for r in mine], [r["busbw_gbps"] for r in mine], **style)
         if name != "fp32":
             pts = [(r["count"], r["time_us"] / fp32[r["count"]]) for r in mine if r["count"] in fp32]
@@ -203,9 +306,11 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
     left.set_title(title)
     right.axhline(1.0, color="gray", lw=1)
     right.axhline(0.5, color="gray", lw=1, ls=":")
+    right.axhline(0.25, color="gray", lw=1, ls="--")
+    right.set_yscale("log")
     right.set_xlabel("elements")
     right.set_ylabel("time / fp32 time, same elements")
-    right.set_title("16-bit vs fp32 (dotted: half the bytes)")
+    right.set_title("vs fp32 (dotted: half the bytes; dashed: a quarter)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -223,10 +328,25 @@ SETUPS = {  # key: (name, model precision, wrap() arguments)
     "fp32-bf16-compress": ("fp32, bf16_compress_hook", "fp32", {"strategy": "bf16_compress"}),
     "fp32-powersgd-r1": ("fp32, PowerSGD rank 1", "fp32", {"strategy": "powersgd", "powersgd_rank": 1}),
     "fp32-powersgd-r4": ("fp32, PowerSGD rank 4", "fp32", {"strategy": "powersgd", "powersgd_rank": 4}),
+    # mpfp16's 8-bit and top-k wires (mpfp16.parallel.wires), on an fp32 model; top-k applies SGD's momentum
+    # in the exchange (DGC's momentum correction), so its optimizer runs without (TOPK_MOMENTUM)
+    "fp32-fp8-e4m3": ("fp32, fp8 e4m3", "fp32", {"strategy": "fp8_compress", "fp8_format": "e4m3"}),
+    "fp32-fp8-e4m3-ef": ("fp32, fp8 e4m3 + EF", "fp32", {"strategy": "fp8_compress", "fp8_format": "e4m3",
+                                                         "error_feedback": True}),
+    "fp32-fp8-e5m2": ("fp32, fp8 e5m2", "fp32", {"strategy": "fp8_compress", "fp8_format": "e5m2"}),
+    "fp32-fp8-e5m2-ef": ("fp32, fp8 e5m2 + EF", "fp32", {"strategy": "fp8_compress", "fp8_format": "e5m2",
+                                                         "error_feedback": True}),
+    "fp32-int8": ("fp32, int8", "fp32", {"strategy": "int8_compress"}),
+    "fp32-int8-ef": ("fp32, int8 + EF", "fp32", {"strategy": "int8_compress", "error_feedback": True}),
+    "fp32-topk-0.01": ("fp32, top-k 1%", "fp32", {"strategy": "topk", "topk_ratio": 0.01}),
+    "fp32-topk-0.001": ("fp32, top-k 0.1%", "fp32", {"strategy": "topk", "topk_ratio": 0.001}),
     # fp32 masters sharded by FSDP2 (mpfp16.distributed.shard): reduce-scatter and all-gathers, no allreduce
     "fp16-sharded": ("fp16, sharded (FSDP2)", "fp16", {"shard": True}),
 }
 DEFAULT_SETUPS = ("fp32", "fp16", "fp16-fp32-allreduce", "fp16-fp32-accumulate")
+WIRE_SETUPS = tuple(k for k, (_, _, kw) in SETUPS.items()
+                    if kw.get("strategy") in ("fp8_compress", "int8_compress", "topk"))
+MOMENTUM = 0.9  # the step view's SGD momentum; under top-k, the exchange's (DGC's momentum correction)
 MODES = ("single", "sync", "no_sync")  # 1 process; an allreduce every micro-batch; no_sync but the last
 
 
@@ -255,7 +375,7 @@ def _workload(args, rank: int, device: torch.device):
 
 
 def _build(make_model, precision: str, device: torch.device, init_scale: float = 2.0**16, shard: bool = False,
-           accumulate_dtype: torch.dtype | None = None):
+           accumulate_dtype: torch.dtype | None = None, momentum: float = MOMENTUM):
     from ..convert import to_half
     from ..optimizer import FP16Optimizer
     from ..scaler import DynamicLossScaler
@@ -267,7 +387,7 @@ def _build(make_model, precision: str, device: torch.device, init_scale: float =
     elif precision == "fp16":
         to_half(model)
     scaler = DynamicLossScaler(init_scale=init_scale) if precision == "fp16" else None
-    opt = FP16Optimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), loss_scale=scaler,
+    opt = FP16Optimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=momentum), loss_scale=scaler,
                         model=model if shard else None, accumulate_dtype=accumulate_dtype)
     return model, opt
 
@@ -279,8 +399,12 @@ def _comm_row(per_step: list[dict]) -> dict:
         return statistics.median(s[key] for s in per_step)
 
     if "reduce_scatter_bytes" not in per_step[0]:
+        comm = [1e3 * s["allreduce_time_s"] for s in per_step]
+        exposed = [1e3 * s["allreduce_wait_s"] for s in per_step]
         return {"bytes_per_step": median("allreduce_bytes"), "calls_per_step": median("allreduce_calls"),
-                "comm_ms": 1e3 * median("allreduce_time_s"), "exposed_ms": 1e3 * median("allreduce_wait_s")}
+                "comm_ms": statistics.median(comm), "comm_ms_min": min(comm), "comm_ms_max": max(comm),
+                "exposed_ms": statistics.median(exposed), "exposed_ms_min": min(exposed),
+                "exposed_ms_max": max(exposed)}
     # Sharded: the all-gathers run through forward and backward, so the time counted is
     # each collective's own, launch to result, summed; exposed: the reduce-scatters'
     # time after backward's last one was launched.
@@ -295,16 +419,21 @@ def _comm_row(per_step: list[dict]) -> dict:
     return row
 
 
-def _steps(net, opt, loss, accum: int, steps: int, sync_every_micro: bool, stats) -> tuple[float, list[dict]]:
-    """Run `steps` optimizer steps of `accum` micro-batches; return seconds and per-step comm figures."""
+def _steps(net, opt, loss, accum: int, steps: int, sync_every_micro: bool, stats,
+           durations: list | None = None) -> tuple[float, list[dict]]:
+    """Run `steps` optimizer steps of `accum` micro-batches; return seconds and per-step
+    comm figures (and append each step's seconds to ``durations``)."""
     per_step = []
     start = time.perf_counter()
     for _ in range(steps):
+        began = time.perf_counter()
         opt.zero_grad()
         for micro in range(accum):
             with mdist.sync_gradients(net, sync_every_micro or micro == accum - 1):
                 opt.backward(loss(net) / accum)
         opt.step()
+        if durations is not None:
+            durations.append(time.perf_counter() - began)
         if stats is not None:
             per_step.append(stats.pop_step())
     return time.perf_counter() - start, per_step
@@ -332,13 +461,17 @@ def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> l
     rows = []
     for key in args.setups:
         name, precision, wrap_kw = SETUPS[key]
+        if wrap_kw.get("strategy") == "topk":  # DGC: the momentum moves from SGD into the exchange
+            wrap_kw, momentum = {**wrap_kw, "topk_momentum": MOMENTUM}, 0.0
+        else:
+            momentum = MOMENTUM
         micro = args.accum * args.steps
         # One process: rank 0 alone (its overflow decisions must not wait for the
         # others), while the other ranks wait at the broadcast. Its loss scale is the
         # other modes' starting point, so it warms up even when its row is not asked for.
         single = torch.zeros(2, dtype=torch.float64, device=device)  # rate, the loss scale it settled on
         if info.rank == 0 and ("single" in args.modes or precision == "fp16"):
-            model, opt = _build(make_model, precision, device, accumulate_dtype=accumulate_dtype)
+            model, opt = _build(make_model, precision, device, accumulate_dtype=accumulate_dtype, momentum=momentum)
             opt.reduce_overflow = False
             _warm_up(model, opt, loss, args.accum, True, None)
             if "single" in args.modes:
@@ -350,7 +483,7 @@ def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> l
         # The same on every rank, starting from the settled scale.
         sharded = wrap_kw.get("shard", False)
         model, opt = _build(make_model, precision, device, init_scale=float(single[1]), shard=sharded,
-                            accumulate_dtype=accumulate_dtype)
+                            accumulate_dtype=accumulate_dtype, momentum=momentum)
         ddp = model if sharded else mdist.wrap(model, bucket_mb=args.bucket_mb, **wrap_kw)
         stats = mdist.comm_stats(ddp)
         if "single" in args.modes:
@@ -362,12 +495,15 @@ def model_view(args, info: mdist.DistInfo, wire: WireCounter | None = None) -> l
             dist.barrier()
             skipped = opt.skipped_steps
             before = wire.read() if wire is not None else 0
-            seconds, per_step = _steps(ddp, opt, loss, args.accum, args.steps, not no_sync, stats)
+            durations: list[float] = []
+            seconds, per_step = _steps(ddp, opt, loss, args.accum, args.steps, not no_sync, stats, durations)
             dist.barrier()  # the peer has received everything: nothing sent still waits in a queue uncounted
             sent = wire.read() - before if wire is not None else 0
             rate = over_ranks(micro / seconds, device, dist.ReduceOp.MIN)  # the slowest rank sets the pace
+            step_s = {f"step_s{suffix}": over_ranks(f(durations), device)  # the slowest rank's
+                      for suffix, f in (("_min", min), ("_median", statistics.median), ("_max", max))}
             row = {"setup": name, "key": key, "processes": world, "no_sync": no_sync, "its_per_s": rate,
-                   **_comm_row(per_step), "skipped": opt.skipped_steps - skipped}
+                   **step_s, **_comm_row(per_step), "skipped": opt.skipped_steps - skipped}
             if wire is not None:  # everything this node sent during the timed steps, per step
                 row["wire_bytes_per_step"] = over_ranks(sent / args.steps, device)
             rows.append(row)
@@ -382,22 +518,39 @@ def _sharded_columns(r: dict) -> str:
             f"{r['all_gather_bytes'] / 1e6:>8.2f}{r['all_gather_ms']:>8.1f}")
 
 
+def step_ratios(rows: list[dict], key: str) -> list[float | None]:
+    """Each step-view row's ``key`` over the ``fp32`` set-up's row of the same run with
+    the same processes and no_sync, and on the same link (``rate_gbps``, where rows of
+    several link rates are together: mpfp16.bench.netem); None without one, or for a
+    1-process row."""
+    group = ("processes", "no_sync", "rate_gbps")
+    return [None if r["processes"] < 2 else v for r, v in zip(rows, fp32_ratios(rows, key, group, name="key"))]
+
+
 def model_table(rows: list[dict]) -> str:
-    """One line per row; ``wire MB`` (what the busiest node sent on its interface per
-    step) when the rows were measured with ``--wire-iface``; for sharded rows, the
-    reduce-scatter (RS) and all-gather (AG) payloads and in-flight times apart."""
+    """One line per row; the step time's min, median and max over the timed steps, and
+    the bytes, communication in flight and exposed communication over the fp32
+    model's (``x fp32``, the same run's); ``wire MB`` (what the busiest node sent on
+    its interface per step) when the rows were measured with ``--wire-iface``; for
+    sharded rows, the reduce-scatter (RS) and all-gather (AG) payloads and in-flight
+    times apart."""
     wired = any("wire_bytes_per_step" in r for r in rows)
     sharded = any("reduce_scatter_bytes" in r for r in rows)
-    lines = [f"{'setup':<26}{'procs':>6}{'no_sync':>9}{'it/s/rank':>11}{'MB/step':>10}{'calls':>7}"
-             f"{'comm_ms':>9}{'exposed_ms':>11}{'skipped':>9}" + (f"{'wire MB':>9}" if wired else "")
+    ratios = {k: step_ratios(rows, k) for k in ("bytes_per_step", "comm_ms", "exposed_ms")}
+    lines = [f"{'setup':<26}{'procs':>6}{'no_sync':>9}{'it/s/rank':>11}{'step s min-med-max':>21}{'MB/step':>10}"
+             f"{'x fp32':>8}{'calls':>7}{'comm_ms':>9}{'x fp32':>8}{'exposed_ms':>11}{'x fp32':>8}{'skipped':>9}"
+             + (f"{'wire MB':>9}" if wired else "")
              + (f"{'RS MB':>8}{'RS ms':>8}{'AG MB':>8}{'AG ms':>8}" if sharded else "")]
-    for r in rows:
+    for i, r in enumerate(rows):
         ns = "-" if r["no_sync"] is None else ("yes" if r["no_sync"] else "no")
         skipped = "-" if r["skipped"] is None else str(r["skipped"])
         wire = r.get("wire_bytes_per_step")
-        lines.append(f"{r['setup']:<26}{r['processes']:>6}{ns:>9}{r['its_per_s']:>11.2f}"
-                     f"{r['bytes_per_step'] / 1e6:>10.2f}{r['calls_per_step']:>7.0f}{r['comm_ms']:>9.1f}"
-                     f"{r['exposed_ms']:>11.1f}{skipped:>9}"
+        spread = (f"{r['step_s_min']:.3f}-{r['step_s_median']:.3f}-{r['step_s_max']:.3f}" if "step_s_median" in r
+                  else "-")
+        lines.append(f"{r['setup']:<26}{r['processes']:>6}{ns:>9}{r['its_per_s']:>11.2f}{spread:>21}"
+                     f"{r['bytes_per_step'] / 1e6:>10.2f}{_ratio(ratios['bytes_per_step'][i], 8, 3)}"
+                     f"{r['calls_per_step']:>7.0f}{r['comm_ms']:>9.1f}{_ratio(ratios['comm_ms'][i], 8)}"
+                     f"{r['exposed_ms']:>11.1f}{_ratio(ratios['exposed_ms'][i], 8)}{skipped:>9}"
                      + ((f"{wire / 1e6:>9.2f}" if wire is not None else f"{'-':>9}") if wired else "")
                      + (_sharded_columns(r) if sharded else ""))
     return "\n".join(lines)
@@ -415,6 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="types to compare (default: fp32,fp16,bf16)")
     p.add_argument("--strategies", type=parse_list(list(hooks.MPFP16_STRATEGIES)), default="allreduce,fp32_accumulate",
                    help="16-bit strategies (default: allreduce,fp32_accumulate)")
+    p.add_argument("--wires", type=parse_list(list(WIRES), allow_none=True), default=",".join(WIRES),
+                   help=(f"mpfp16's 8-bit and top-k exchanges beside them, or none (default: {','.join(WIRES)}; "
+                         "+ef: with error feedback)").replace("%", "%%"))
     p.add_argument("--iters", type=int, default=10, help="timed rounds (default: 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default: 2)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON (default: none)")
@@ -474,15 +630,18 @@ def main(argv=None) -> int:
     try:
         header = f"# {info.world_size} ranks, backend {info.backend}, device {info.device.type}"
         if args.model is None:
-            rows = sweep(args.sizes, args.dtypes, args.strategies, args.iters, args.warmup, info.device, wire)
+            rows = sweep(args.sizes, args.dtypes, args.strategies, args.iters, args.warmup, info.device, wire,
+                         args.wires)
             text = sweep_table(rows)
-            header += f", median of {args.iters} rounds (slowest rank), count = size / 4 for every type"
+            header += (f", median (min, max) of {args.iters} rounds (slowest rank), count = size / 4 for every "
+                       "type; vs fp32: time over fp32's, bytes vs fp32: one rank's message over fp32's")
         else:
             rows = model_view(args, info, wire)
             text = model_table(rows)
             shape = f"{args.seq_len} tokens" if args.model in GPT_SIZES else f"{args.image_size}px"
             header += (f", {args.model}, batch {args.batch_size} at {shape}, "
-                       f"{args.accum} micro-batches per step, median of {args.steps} steps")
+                       f"{args.accum} micro-batches per step, median of {args.steps} steps; x fp32: over the "
+                       "fp32 model's row")
             if args.accumulate_dtype is not None:
                 header += f", accumulate_dtype {args.accumulate_dtype}"
         if info.is_main_process:

@@ -1,7 +1,7 @@
 """The bandwidth study across a real (emulated) link: two nodes, one shaped link, torchrun.
 
     python -m mpfp16.bench.netem --rates 1gbit,10gbit,25gbit --sizes 1M,16M,100M \\
-        [--delay 0] [--model resnet50] [--json PATH] [--plot PATH]
+        [--wires fp8-e4m3,int8,topk-1%] [--delay 0] [--model resnet50] [--json PATH] [--plot PATH]
 
 For each rate the link between two network namespaces (mpfp16.bench.links) is shaped
 with a token-bucket filter, measured with one TCP stream (throughput and round trip),
@@ -9,16 +9,19 @@ and then each namespace launches ``torchrun --nnodes 2 --nproc_per_node 1
 --rdzv-backend c10d``, so that every collective crosses the link:
 
 - the collective sweep of mpfp16.bench.allreduce (every type at the same element count,
-  the slowest rank's median time, algbw and busbw, and the bytes each node put on its
-  interface, headers included);
+  the 16-bit ones and, with ``--wires``, the 8-bit and top-k wires; the slowest rank's
+  median time with its min and max, algbw and busbw, and the bytes each node put on
+  its interface, headers included);
 - with ``--model``, the training-step view of mpfp16.bench.allreduce over the same link:
-  one row per set-up (fp32 and fp16 models, mpfp16's strategies and torch's compression
-  hooks), with the communication in flight, the part of it backward did not hide
-  (exposed) and the bytes on the wire per step.
+  one row per set-up (fp32 and fp16 models, mpfp16's strategies, torch's compression
+  hooks and mpfp16's 8-bit and top-k wires), with the step time's min, median and
+  max, the communication in flight, the part of it backward did not hide (exposed)
+  and the bytes on the wire per step.
 
-Then it prints, per rate, the fp16 : fp32 time ratio and the busbw, the step view's
-exposed communication, and the link rate from which 16-bit gradients stop paying, and
-removes the namespaces (after a failure or Ctrl-C too). Needs root, ``ip`` and ``tc``;
+Then it prints, per rate, each type's time, message bytes and interface bytes over
+fp32's at the same element count (fp32 measured in the same run), the step view's
+times and bytes over the fp32 model's, and the link rate from which each narrower
+wire stops paying, and removes the namespaces (after a failure or Ctrl-C too). Needs root, ``ip`` and ``tc``;
 without them it says so in one line and exits with status 2.
 """
 
@@ -33,19 +36,23 @@ import tempfile
 import time
 
 from ..errors import last_error_line
-from .allreduce import DTYPES, SETUPS, parse_list, parse_size
+from .allreduce import DTYPES, SETUPS, WIRE_SETUPS, WIRES, fp32_ratios, parse_list, parse_size, step_ratios
 from .links import EmulatedLink, LinkError, parse_delay, parse_rate, unavailable
 
 RDZV_PORT = 29400
 STEP_SETUPS = ("fp32", "fp32-fp16-compress", "fp32-bf16-compress", "fp32-powersgd-r1", "fp32-powersgd-r4",
-               "fp16-fp32-allreduce", "fp16", "fp16-fp32-accumulate")
-# Pairs with the same compute and another wire format: (32-bit wire, 16-bit wire).
-WIRE_PAIRS = (("fp32", "fp32-fp16-compress"), ("fp16-fp32-allreduce", "fp16"))
+               *WIRE_SETUPS, "fp16-fp32-allreduce", "fp16", "fp16-fp32-accumulate")
+# Pairs with the same compute and another wire format: (32-bit wire, narrower wire).
+WIRE_PAIRS = (("fp32", "fp32-fp16-compress"), ("fp16-fp32-allreduce", "fp16"), ("fp32", "fp32-fp8-e4m3"),
+              ("fp32", "fp32-int8"), ("fp32", "fp32-topk-0.01"))
 # Step-view set-up -> method name of mpfp16.bench.compression (its accuracy cost).
 ACCURACY_METHOD = {"fp32": "fp32", "fp32-fp16-compress": "fp16_compress", "fp32-bf16-compress": "bf16_compress",
                    "fp32-powersgd-r1": "powersgd-r1", "fp32-powersgd-r4": "powersgd-r4", "fp16": "mpfp16-fp16",
-                   "fp16-fp32-accumulate": "mpfp16-fp32acc"}
-MATTERS = 0.05  # a 16-bit wire "matters" while it saves more than 5% of the step
+                   "fp16-fp32-accumulate": "mpfp16-fp32acc", "fp32-fp8-e4m3": "fp8-e4m3",
+                   "fp32-fp8-e4m3-ef": "fp8-e4m3-ef", "fp32-fp8-e5m2": "fp8-e5m2", "fp32-fp8-e5m2-ef": "fp8-e5m2-ef",
+                   "fp32-int8": "int8", "fp32-int8-ef": "int8-ef", "fp32-topk-0.01": "topk-1%",
+                   "fp32-topk-0.001": "topk-0.1%"}
+MATTERS = 0.05  # a narrower wire "matters" while it saves more than 5% of the step
 
 
 class JobError(RuntimeError):
@@ -107,14 +114,22 @@ def _read_rows(path: str, name: str) -> list[dict]:
 
 
 def wire_ratios(rows: list[dict]) -> list[dict]:
-    """Per rate and element count: each type's time over fp32's, and its busbw."""
+    """Per rate and element count: each type's time over fp32's (medians; and min over
+    min, max over max), its message and interface bytes over fp32's, and its busbw;
+    every ratio within one rate's run."""
     out = []
-    fp32 = {(r["rate_gbps"], r["count"]): r["time_us"] for r in rows if r["dtype"] == "fp32"}
-    for r in rows:
-        key = (r["rate_gbps"], r["count"])
-        if key in fp32:
-            out.append({"rate_gbps": r["rate_gbps"], "count": r["count"], "dtype": r["dtype"],
-                        "vs_fp32": r["time_us"] / fp32[key], "busbw_gbps": r["busbw_gbps"]})
+    group = ("rate_gbps", "count")
+    ratios = {key: fp32_ratios(rows, key, group) for key in ("time_us", "time_min_us", "time_max_us", "size_bytes",
+                                                              "wire_bytes")}
+    for i, r in enumerate(rows):
+        if ratios["time_us"][i] is None:
+            continue
+        out.append({"rate_gbps": r["rate_gbps"], "count": r["count"], "dtype": r["dtype"],
+                    "vs_fp32": ratios["time_us"][i], "min_vs_fp32": ratios["time_min_us"][i],
+                    "max_vs_fp32": ratios["time_max_us"][i], "bytes_vs_fp32": ratios["size_bytes"][i],
+                    "wire_vs_fp32": ratios["wire_bytes"][i], "busbw_gbps": r["busbw_gbps"],
+                    "time_ms": r["time_us"] / 1e3, "time_min_ms": r.get("time_min_us", r["time_us"]) / 1e3,
+                    "time_max_ms": r.get("time_max_us", r["time_us"]) / 1e3})
     return out
 
 
@@ -156,33 +171,46 @@ def stops_mattering(step_rows: list[dict], accum: int) -> list[dict]:
     return out
 
 
+def _x(value) -> str:
+    return f"{value:.3f}" if value is not None else "-"
+
+
 def summary_text(sweep_rows: list[dict], step_rows: list[dict], accum: int) -> str:
-    lines = ["# time / fp32 time at the same element count, and busbw (GB/s), by link rate"] if sweep_rows else []
+    lines = []
     ratios = wire_ratios(sweep_rows)
-    types = list(dict.fromkeys(r["dtype"] for r in ratios))
     if ratios:
-        lines.append(f"{'rate Gbit/s':>12}{'count':>12}" + "".join(f"{t:>14}" for t in types)
-                     + "".join(f"{'bw ' + t:>14}" for t in types))
-        for rate in sorted({r["rate_gbps"] for r in ratios}):
-            for count in sorted({r["count"] for r in ratios}):
-                mine = {r["dtype"]: r for r in ratios if r["rate_gbps"] == rate and r["count"] == count}
-                lines.append(f"{rate:>12g}{count:>12}" + "".join(f"{mine[t]['vs_fp32']:>14.2f}" for t in types)
-                             + "".join(f"{mine[t]['busbw_gbps']:>14.3f}" for t in types))
+        lines.append("# collective sweep by link rate: time in ms, median and min-max over the rounds (the slowest "
+                     "node's); time, message bytes and interface bytes over fp32's at the same element count "
+                     "(same rate's run); busbw GB/s")
+        lines.append(f"{'rate Gbit/s':>12}{'count':>11}{'type':>12}{'time_ms':>10}{'min-max':>19}{'vs fp32':>9}"
+                     f"{'bytes x':>9}{'wire x':>9}{'busbw':>8}")
+        for r in ratios:
+            spread = f"{r['time_min_ms']:.1f}-{r['time_max_ms']:.1f}"
+            lines.append(f"{r['rate_gbps']:>12g}{r['count']:>11}{r['dtype']:>12}{r['time_ms']:>10.1f}{spread:>19}"
+                         f"{r['vs_fp32']:>9.3f}{_x(r['bytes_vs_fp32']):>9}{_x(r['wire_vs_fp32']):>9}"
+                         f"{r['busbw_gbps']:>8.3f}")
     if step_rows:
-        lines.append("# training steps: step time (s), exposed communication (ms) and wire MB per step, by rate")
-        lines.append(f"{'setup':<26}{'rate':>6}{'step_s':>9}{'comm_ms':>9}{'exposed':>9}{'wire MB':>9}")
-        for r in step_rows:
-            if r["processes"] > 1:
-                lines.append(f"{r['setup']:<26}{r['rate_gbps']:>6g}{step_time_s(r, accum):>9.3f}"
-                             f"{r['comm_ms']:>9.1f}{r['exposed_ms']:>9.1f}"
-                             f"{r.get('wire_bytes_per_step', 0) / 1e6:>9.1f}")
+        lines.append("# training steps by rate: step time (s) min-median-max over the timed steps (the slowest "
+                     "node's), communication in flight and exposed (ms, median), payload and interface MB per "
+                     "step; x fp32: over the fp32 model's row at the same rate")
+        lines.append(f"{'setup':<26}{'rate':>6}{'step s min-med-max':>21}{'comm_ms':>9}{'x fp32':>8}{'exposed':>9}"
+                     f"{'x fp32':>8}{'MB':>8}{'x fp32':>8}{'wire MB':>9}{'x fp32':>8}")
+        multi = [r for r in step_rows if r["processes"] > 1]
+        x = {k: step_ratios(multi, k) for k in ("comm_ms", "exposed_ms", "bytes_per_step", "wire_bytes_per_step")}
+        for i, r in enumerate(multi):
+            spread = (f"{r['step_s_min']:.3f}-{r['step_s_median']:.3f}-{r['step_s_max']:.3f}" if "step_s_median" in r
+                      else f"{step_time_s(r, accum):.3f}")
+            lines.append(f"{r['setup']:<26}{r['rate_gbps']:>6g}{spread:>21}{r['comm_ms']:>9.1f}"
+                         f"{_x(x['comm_ms'][i]):>8}{r['exposed_ms']:>9.1f}{_x(x['exposed_ms'][i]):>8}"
+                         f"{r['bytes_per_step'] / 1e6:>8.2f}{_x(x['bytes_per_step'][i]):>8}"
+                         f"{r.get('wire_bytes_per_step', 0) / 1e6:>9.2f}{_x(x['wire_bytes_per_step'][i]):>8}")
         for s in stops_mattering(step_rows, accum):
             gains = ", ".join(f"{rate:g} Gbit/s {100 * g:.0f}% ({100 * s['speedup_by_rate'][rate]:+.0f}%)"
                               for rate, g in s["gain_by_rate"].items())
             where = (f"stops mattering (under {100 * MATTERS:.0f}%) from {s['stops_mattering_gbps']:g} Gbit/s"
                      if s["stops_mattering_gbps"] is not None
                      else f"still matters at {s['max_rate_gbps']:g} Gbit/s, the fastest rate measured")
-            lines.append(f"# 16-bit wire, {SETUPS[s['narrow']][0]} vs {SETUPS[s['wide']][0]}, exposed time saved "
+            lines.append(f"# narrower wire, {SETUPS[s['narrow']][0]} vs {SETUPS[s['wide']][0]}, exposed time saved "
                          f"per step (step-time speed-up): {gains}; {where}")
     return "\n".join(lines)
 
@@ -198,15 +226,17 @@ def load_accuracy(path: str) -> dict:
 
 
 def compression_rows(step_rows: list[dict], accuracy: dict, accum: int) -> list[dict]:
-    """One row per set-up and rate: payload and wire bytes per step, step time, exposed
-    communication, and (from ``accuracy``) the final validation accuracy and loss."""
+    """One row per set-up and rate: payload and wire bytes per step (and the payload
+    over the fp32 model's at the same rate), step time, exposed communication, and
+    (from ``accuracy``) the final validation accuracy and loss."""
     out = []
-    for r in step_rows:
-        if r["processes"] < 2:
-            continue
+    multi = [r for r in step_rows if r["processes"] > 1]
+    payload_x = step_ratios(multi, "bytes_per_step")
+    for r, x in zip(multi, payload_x):
         acc = accuracy.get(ACCURACY_METHOD.get(r["key"], ""), {})
         out.append({"setup": r["setup"], "key": r["key"], "rate_gbps": r["rate_gbps"],
-                    "payload_mb": r["bytes_per_step"] / 1e6, "wire_mb": r.get("wire_bytes_per_step", 0) / 1e6,
+                    "payload_mb": r["bytes_per_step"] / 1e6, "payload_vs_fp32": x,
+                    "wire_mb": r.get("wire_bytes_per_step", 0) / 1e6,
                     "step_s": step_time_s(r, accum), "comm_ms": r["comm_ms"], "exposed_ms": r["exposed_ms"],
                     **{k: acc[k] for k in ("val_acc1", "val_acc1_spread", "val_loss", "val_loss_spread")
                        if k in acc}})
@@ -214,12 +244,13 @@ def compression_rows(step_rows: list[dict], accuracy: dict, accum: int) -> list[
 
 
 def compression_text(rows: list[dict]) -> str:
-    lines = [f"{'setup':<26}{'rate':>6}{'payload MB':>11}{'wire MB':>9}{'step_s':>8}{'exposed':>9}"
+    lines = [f"{'setup':<26}{'rate':>6}{'payload MB':>11}{'x fp32':>8}{'wire MB':>9}{'step_s':>8}{'exposed':>9}"
              f"{'val acc1 %':>16}{'val loss':>16}"]
     for r in rows:
         acc = f"{r['val_acc1']:.2f} ± {r['val_acc1_spread']:.2f}" if "val_acc1" in r else "-"
         loss = f"{r['val_loss']:.3f} ± {r['val_loss_spread']:.3f}" if "val_loss" in r else "-"
-        lines.append(f"{r['setup']:<26}{r['rate_gbps']:>6g}{r['payload_mb']:>11.1f}{r['wire_mb']:>9.1f}"
+        lines.append(f"{r['setup']:<26}{r['rate_gbps']:>6g}{r['payload_mb']:>11.1f}"
+                     f"{_x(r.get('payload_vs_fp32')):>8}{r['wire_mb']:>9.1f}"
                      f"{r['step_s']:>8.3f}{r['exposed_ms']:>9.1f}{acc:>16}{loss:>16}")
     return "\n".join(lines)
 
@@ -232,6 +263,7 @@ def plot(sweep_rows: list[dict], step_rows: list[dict], accum: int, path: str) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colors = plt.get_cmap("tab20")
     counts = sorted({r["count"] for r in sweep_rows})
     panels = max(1, len(counts) + (1 if step_rows else 0))
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 4), squeeze=False)
@@ -239,7 +271,7 @@ def plot(sweep_rows: list[dict], step_rows: list[dict], accum: int, path: str) -
         for i, t in enumerate(dict.fromkeys(r["dtype"] for r in sweep_rows)):
             pts = sorted((r["rate_gbps"], r["time_us"] / 1e3) for r in sweep_rows
                          if r["dtype"] == t and r["count"] == count)
-            ax.plot(*zip(*pts), marker="o", label=t, color=f"C{i}")
+            ax.plot(*zip(*pts), marker="o", label=t, color=colors(i % colors.N))
         ax.set_title(f"allreduce of {count:,} elements")
         ax.set_ylabel("time (ms)")
     if step_rows:
@@ -247,7 +279,7 @@ def plot(sweep_rows: list[dict], step_rows: list[dict], accum: int, path: str) -
         for i, key in enumerate(dict.fromkeys(r["key"] for r in step_rows)):
             pts = sorted((r["rate_gbps"], step_time_s(r, accum)) for r in step_rows
                          if r["key"] == key and r["processes"] > 1)
-            ax.plot(*zip(*pts), marker="o", label=SETUPS[key][0], color=f"C{i}")
+            ax.plot(*zip(*pts), marker="o", label=SETUPS[key][0], color=colors(i % colors.N))
         ax.set_title("training step, 2 nodes")
         ax.set_ylabel("step time (s)")
     for ax in axes[0]:
@@ -274,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32 message sizes of the sweep, or 'none' to skip it (default: 1M,16M,100M)")
     p.add_argument("--dtypes", type=parse_list(list(DTYPES)), default="fp32,fp16,bf16",
                    help="types of the sweep (default: fp32,fp16,bf16)")
+    p.add_argument("--wires", type=parse_list(list(WIRES), allow_none=True), default=",".join(WIRES),
+                   help=(f"mpfp16's 8-bit and top-k exchanges in the sweep, or none (default: {','.join(WIRES)})")
+                   .replace("%", "%%"))
     p.add_argument("--iters", type=int, default=5, help="timed rounds of the sweep (default: 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default: 1)")
     g = p.add_argument_group("training-step view")
@@ -343,7 +378,7 @@ def main(argv=None) -> int:
         print(f"error: {reason}", file=sys.stderr)
         return 2
     sweep_args = ["-m", "mpfp16.bench.allreduce", "--sizes", args.sizes, "--dtypes", ",".join(args.dtypes),
-                  "--iters", str(args.iters), "--warmup", str(args.warmup)]
+                  "--wires", ",".join(args.wires) or "none", "--iters", str(args.iters), "--warmup", str(args.warmup)]
     step_args = ["-m", "mpfp16.bench.allreduce", "--model", str(args.model), "--setups", ",".join(args.setups),
                  "--accum", str(args.accum), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                  "--image-size", str(args.image_size), "--seq-len", str(args.seq_len)]
