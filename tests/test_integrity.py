@@ -139,6 +139,7 @@ def saved_file(tmp_path_factory):
     return path, model, opt
 
 
+@pytest.mark.slow  # two loads of the whole file per storage, over 60 of them: 14 s here
 def test_one_flipped_bit_in_any_tensor_of_a_file_is_one_line_naming_the_file_and_the_tensor(saved_file):
     path, model, opt = saved_file
     clean = file.load(path)
