@@ -300,11 +300,10 @@ def test_a_wire_resumes_bit_identically(group, name):
 
 
 TINY = ["-a", "resnet9-w4", "-b", "16", "--no-progress", "-p", "1", "--precision", "fp32"]
-SCRIPT_WIRES = {
-    "powersgd": ["--allreduce-strategy", "powersgd"],
-    "fp8-ef": ["--allreduce-strategy", "fp8_compress", "--error-feedback"],
-    "topk": ["--allreduce-strategy", "topk", "--no-nesterov"],
-}
+# The issue's case end to end, and top-k (whose momentum the script moves into the exchange);
+# the other wires' NaN steps are the library cases above.
+SCRIPT_WIRES = {"powersgd": ["--allreduce-strategy", "powersgd"],
+                "topk": ["--allreduce-strategy", "topk", "--no-nesterov"]}
 
 
 @slow
