@@ -14,6 +14,7 @@ import torch
 import mpfp16.distributed as mdist
 import train_cifar
 import wire_workers as WW
+from conformance_workers import _tensors as tensors_of
 from dist_helpers import Group, _distinct_ports as distinct_ports, run_workers
 from mpfp16.parallel import quantize
 from mpfp16.parallel.wires import BucketLayout
@@ -321,17 +322,6 @@ def test_the_script_skips_a_nan_step_and_goes_on_with_a_finite_checkpoint(cifar_
     comm = torch.load(tmp_path / "last.pt", weights_only=True)["comm"]
     tensors = [t for rank in comm for t in tensors_of(rank)]
     assert tensors and all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
-
-
-def tensors_of(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from tensors_of(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from tensors_of(v)
 
 
 @slow

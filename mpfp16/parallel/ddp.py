@@ -75,35 +75,37 @@ def check_options(*, strategy: str, allreduce_dtype: torch.dtype | None, predivi
     for name, value, minimum, why in powersgd:
         if not (isinstance(value, int) and value >= minimum):
             raise ValueError(f"{say(name, value)} must be an integer >= {minimum}{why}")
-    for name, value, default, _ in powersgd:  # the defaults are the minimums
-        if strategy != "powersgd" and value != default:
-            raise ValueError(f"{say(name, value)} applies to {say('strategy', 'powersgd')} only, not "
-                             f"{say('strategy', strategy)}")
-    _check_wire_options(strategy=strategy, allreduce_dtype=allreduce_dtype, predivide_factor=predivide_factor,
-                        grad_dtypes=grad_dtypes, fp8_format=fp8_format, error_feedback=error_feedback,
-                        topk_ratio=topk_ratio, topk_momentum=topk_momentum, say=say)
-    if strategy not in TORCH_STRATEGIES:
-        return
-    if grads_16bit:
+    _only_for("powersgd", strategy, [(name, value, default) for name, value, default, _ in powersgd], say)
+    _check_wire_options(strategy=strategy, grad_dtypes=grad_dtypes, fp8_format=fp8_format,
+                        error_feedback=error_feedback, topk_ratio=topk_ratio, topk_momentum=topk_momentum, say=say)
+    if strategy in TORCH_STRATEGIES and grads_16bit:
         which = f" ({', '.join(grad_dtypes)})" if grad_dtypes else ""
         raise ValueError(f"{say('strategy', strategy)} is torch's compression hook for an fp32 model, and this "
                          f"model's gradients are already 16-bit{which}: use {say('strategy', 'allreduce')} or "
                          f"{say('strategy', 'fp32_accumulate')}")
-    if allreduce_dtype is not None:
-        raise ValueError(f"{say('strategy', strategy)} decides its own wire dtype; leave "
-                         f"{say('allreduce_dtype', None)}")
-    if predivide_factor != 1:
-        raise ValueError(f"{say('strategy', strategy)} divides by the world size itself; leave "
-                         f"{say('predivide_factor', 1.0)}")
+    if strategy in TORCH_STRATEGIES + WIRE_STRATEGIES:  # hooks that choose their wire and divide themselves
+        if allreduce_dtype is not None:
+            raise ValueError(f"{say('strategy', strategy)} decides its own wire dtype; leave "
+                             f"{say('allreduce_dtype', None)}")
+        if predivide_factor != 1:
+            raise ValueError(f"{say('strategy', strategy)} divides by the world size itself; leave "
+                             f"{say('predivide_factor', 1.0)}")
 
 
-def _check_wire_options(*, strategy: str, allreduce_dtype, predivide_factor: float, grad_dtypes: tuple[str, ...],
-                        fp8_format: str, error_feedback: bool, topk_ratio: float, topk_momentum: float, say) -> None:
-    """The 8-bit and top-k wires' rules (see :func:`check_options`)."""
+def _only_for(owner: str, strategy: str, options, say) -> None:
+    """Refuse any of ``options`` ((name, value, default) each) set away from its default
+    under a strategy other than ``owner``, the one strategy it applies to."""
+    for name, value, default in options:
+        if strategy != owner and value != default:
+            raise ValueError(f"{say(name, value)} applies to {say('strategy', owner)} only, not "
+                             f"{say('strategy', strategy)}")
+
+
+def _check_wire_options(*, strategy: str, grad_dtypes: tuple[str, ...], fp8_format: str, error_feedback: bool,
+                        topk_ratio: float, topk_momentum: float, say) -> None:
+    """The 8-bit and top-k wires' own rules (see :func:`check_options`)."""
     check_format(fp8_format, say=say)
-    if strategy != "fp8_compress" and fp8_format != DEFAULT_FP8_FORMAT:
-        raise ValueError(f"{say('fp8_format', fp8_format)} applies to {say('strategy', 'fp8_compress')} only, not "
-                         f"{say('strategy', strategy)}")
+    _only_for("fp8_compress", strategy, [("fp8_format", fp8_format, DEFAULT_FP8_FORMAT)], say)
     if not isinstance(error_feedback, bool):
         raise ValueError(f"{say('error_feedback', error_feedback)} must be True or False")
     if error_feedback and strategy not in ("fp8_compress", "int8_compress"):
@@ -112,22 +114,11 @@ def _check_wire_options(*, strategy: str, allreduce_dtype, predivide_factor: flo
             strategy, "drops nothing to feed back")
         raise ValueError(f"{say('error_feedback', True)} applies to {say('strategy', 'fp8_compress')} and "
                          f"{say('strategy', 'int8_compress')}; {say('strategy', strategy)} {why}")
-    for name, value, low, high, default, low_open in (("topk_ratio", topk_ratio, 0.0, 1.0, DEFAULT_TOPK_RATIO, True),
-                                                      ("topk_momentum", topk_momentum, 0.0, 1.0,
-                                                       DEFAULT_TOPK_MOMENTUM, False)):
-        inside = isinstance(value, (int, float)) and (low < value if low_open else low <= value) and value < high
-        if not inside:
-            raise ValueError(f"{say(name, value)} must be in {'(' if low_open else '['}{low:g}, {high:g})")
-        if strategy != "topk" and value != default:
-            raise ValueError(f"{say(name, value)} applies to {say('strategy', 'topk')} only, not "
-                             f"{say('strategy', strategy)}")
-    if strategy not in WIRE_STRATEGIES:
-        return
-    if allreduce_dtype is not None:
-        raise ValueError(f"{say('strategy', strategy)} decides its own wire dtype; leave {say('allreduce_dtype', None)}")
-    if predivide_factor != 1:
-        raise ValueError(f"{say('strategy', strategy)} sums in fp32 and divides by the world size itself; leave "
-                         f"{say('predivide_factor', 1.0)}")
+    for name, value, zero_allowed in (("topk_ratio", topk_ratio, False), ("topk_momentum", topk_momentum, True)):
+        if not (isinstance(value, (int, float)) and (0 <= value if zero_allowed else 0 < value) and value < 1):
+            raise ValueError(f"{say(name, value)} must be in {'[' if zero_allowed else '('}0, 1)")
+    _only_for("topk", strategy, [("topk_ratio", topk_ratio, DEFAULT_TOPK_RATIO),
+                                 ("topk_momentum", topk_momentum, DEFAULT_TOPK_MOMENTUM)], say)
     keeps_state = strategy == "topk" or error_feedback
     if keeps_state and any(d in ("float16", say("precision", "fp16")) for d in grad_dtypes):
         what = say("strategy", strategy) if strategy == "topk" else say("error_feedback", True)

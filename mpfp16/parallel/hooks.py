@@ -397,7 +397,8 @@ def wire_hook(state: HookState, bucket):
 
     def run() -> None:
         new_state = average(buf, layout, memory.options, group, memory.state(index, layout, buf.device))
-        memory.stage(index, layout, new_state, bool(torch.isfinite(buf).all()))
+        # Whether to keep the new state needs the result's finiteness; a wire that keeps none skips that pass.
+        memory.stage(index, layout, new_state, not memory.options.kinds or bool(torch.isfinite(buf).all()))
         if last:
             memory.end_round()
         if carry is not None:
