@@ -103,9 +103,11 @@ class PowerSGDMemory:
 
     def _capture(self) -> None:
         s = self.state
+        # torch's hook (and this class) replaces an error-feedback tensor and never writes
+        # into one, so holding the tensors is enough; it writes into P and Q: those are copied.
         self._before = (s.iter, s.rng.get_state(),
-                        [{i: t.clone() for i, t in memory.items()}
-                         for memory in (s.error_dict, s.p_memory_dict, s.q_memory_dict)],
+                        [dict(s.error_dict), *({i: t.clone() for i, t in memory.items()}
+                                               for memory in (s.p_memory_dict, s.q_memory_dict))],
                         dict(self._placed), dict(self._error), dict(self._q), self._warm)
 
     def _restore(self) -> None:
